@@ -1,0 +1,100 @@
+r"""Micro-benchmark: one transformer block on one device at every compiled bucket width.
+
+A device that computes `w` of its C units must run GEMMs of width about w, not C. This times the
+forward + backward of one block (attention + MLP) on a single device with every unit kind active
+at each bucket width, and reports the time relative to full capacity (ideally about w / C), plus
+the same block compiled without buckets (a plain full-width program) for the overhead of the
+switch and the rematerialized branches.
+
+  python experiments/bench_widths.py --out_dir=results/bench_widths
+"""
+
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from semijax import layout as layout_lib
+from semijax import mesh as mesh_lib
+from semijax import report
+from semijax import sharding
+from semijax import tp
+from semijax.models import layers
+
+_OUT = flags.DEFINE_string("out_dir", "results/bench_widths", "Where to write the results.")
+_D = flags.DEFINE_integer("d_model", 256, "Model width.")
+_HEADS = flags.DEFINE_integer("heads", 8, "Head capacity C (head_dim = d_model / heads).")
+_FF = flags.DEFINE_integer("d_ff", 1024, "MLP unit capacity C.")
+_SEQ = flags.DEFINE_integer("seq_len", 128, "Sequence length.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Batch size.")
+_WIDTHS = flags.DEFINE_integer("num_widths", 4, "Compiled bucket widths per kind.")
+_REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per width (median reported).")
+
+
+def block_step(mesh, block):
+  """A jitted forward+backward of `block` on a 1x1 mesh; returns (fn, params, x)."""
+  graphdef, state = nnx.split(block)
+  axes = sharding.axes_tree(state)
+  params = jax.device_put(nnx.to_pure_dict(state))
+  def loss(p, x, plan):
+    def local(p, x, plan):
+      return jnp.sum(nnx.merge(graphdef, p)(x, plan) ** 2)
+    in_specs = (sharding.specs(axes), P(), tp.plan_specs(plan))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())(p, x, plan)
+  x = jax.random.normal(jax.random.key(1), (_BATCH.value, _SEQ.value, _D.value))
+  return jax.jit(jax.value_and_grad(loss)), params, x
+
+
+def median_ms(fn, *args):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(_REPEATS.value):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return 1e3 * float(np.median(times))
+
+
+def main(argv):
+  del argv
+  mesh = mesh_lib.make_mesh(1, 1)
+  block = layers.Block(_D.value, _HEADS.value, _FF.value, causal=True, rngs=nnx.Rngs(0))
+  lay = layout_lib.Layout.for_model(d_model=_D.value, num_heads=_HEADS.value, d_ff=_FF.value,
+                                    num_devices=1, num_widths=_WIDTHS.value)
+  fn, params, x = block_step(mesh, block)
+  rows, results = [], []
+  for i in range(len(lay.mlp.widths)):
+    w_mlp = lay.mlp.widths[i]
+    w_heads = lay.heads.widths[min(i, len(lay.heads.widths) - 1)]
+    active = lay.replace(mlp=lay.mlp.with_active([w_mlp]), heads=lay.heads.with_active([w_heads]))
+    ms = median_ms(fn, params, x, tp.make_plan(active, mesh))
+    results.append({"mlp_width": w_mlp, "heads_width": w_heads, "ms": ms,
+                    "work_fraction": w_mlp / _FF.value})
+  full_ms = results[-1]["ms"]
+  plain = lay.replace(mlp=lay.mlp.replace(widths=(_FF.value,)),
+                      heads=lay.heads.replace(widths=(_HEADS.value,)))
+  plain_ms = median_ms(fn, params, x, tp.make_plan(plain, mesh))
+  for r in results:
+    r["relative_to_full"] = r["ms"] / full_ms
+    rows.append([f"{r['mlp_width']}/{_FF.value}", f"{r['heads_width']}/{_HEADS.value}",
+                 r["work_fraction"], r["ms"], r["relative_to_full"]])
+  rows.append(["plain (no buckets)", f"{_HEADS.value}/{_HEADS.value}", 1.0, plain_ms,
+               plain_ms / full_ms])
+  table = report.markdown_table(
+      ["mlp width", "heads width", "MLP work fraction", "ms (fwd+bwd)", "time / full capacity"],
+      rows)
+  payload = {"config": {k: f.value for k, f in [
+      ("d_model", _D), ("heads", _HEADS), ("d_ff", _FF), ("seq_len", _SEQ), ("batch", _BATCH),
+      ("repeats", _REPEATS)]}, "backend": jax.default_backend(), "jax": jax.__version__,
+             "widths": results, "plain_full_ms": plain_ms}
+  paths = report.write(_OUT.value, "bench_widths", payload, table)
+  print(table)
+  print(f"wrote {paths['json']} and {paths['md']}")
+
+
+if __name__ == "__main__":
+  app.run(main)

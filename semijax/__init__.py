@@ -1,0 +1,3 @@
+"""semijax: tensor-parallel transformer training on unequal or shared devices."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,36 @@
+"""The device mesh: a `data` axis (batch parallelism) beside a `tensor` axis (uneven TP).
+
+Axes are ordered by communication intensity: `tensor` (several all-reduces per layer) is the
+inner, fastest-varying axis, so a tensor group sits on neighbouring devices (one host).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+DATA = "data"
+TENSOR = "tensor"
+AXES = (DATA, TENSOR)
+
+
+def make_mesh(data: int, tensor: int, devices=None) -> jax.sharding.Mesh:
+  """A (data, tensor) mesh over the first data*tensor devices (all processes' devices).
+
+  Axis types are Auto: semijax places arrays with explicit NamedShardings and runs TP code in
+  `jax.shard_map`, so it needs no sharding-in-types.
+
+  Raises:
+    ValueError: naming `mesh.data` / `mesh.tensor` if the sizes are not positive or there are not
+      enough devices.
+  """
+  for name, size in ((DATA, data), (TENSOR, tensor)):
+    if not isinstance(size, (int, np.integer)) or size < 1:
+      raise ValueError(f"mesh.{name}: must be a positive integer, got {size!r}")
+  devices = jax.devices() if devices is None else list(devices)
+  if data * tensor > len(devices):
+    raise ValueError(
+        f"mesh.data * mesh.tensor = {data} * {tensor} = {data * tensor} devices, but only "
+        f"{len(devices)} are available")
+  return jax.make_mesh((data, tensor), AXES, devices=devices[: data * tensor],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)

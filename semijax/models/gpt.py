@@ -1,0 +1,36 @@
+"""A causal byte-level GPT with uneven tensor-parallel heads and MLP units."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from semijax import tp
+from semijax.models import layers
+
+
+class GPT(nnx.Module):
+  """Decoder-only language model: token + learned position embeddings, blocks, linear head.
+
+  Call: tokens int32 [batch, seq] (seq <= seq_len) -> logits float32 [batch, seq, vocab_size].
+  Embeddings, LayerNorms and the head are replicated over `tensor`; batch is split over `data`.
+  """
+
+  input_key = "inputs"
+
+  def __init__(self, *, vocab_size: int = 256, seq_len: int, d_model: int, num_heads: int,
+               d_ff: int, num_layers: int, rngs: nnx.Rngs):
+    self.head_dim = d_model // num_heads
+    self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
+    self.pos = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (seq_len, d_model)),
+                         axes=(None, "embed"))
+    self.encoder = layers.Encoder(num_layers, d_model, num_heads, d_ff, causal=True, rngs=rngs)
+    self.head = nnx.Linear(d_model, vocab_size, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens: jnp.ndarray, plan: tp.Plan) -> jnp.ndarray:
+    x = self.embed(tokens) + self.pos[: tokens.shape[-1]]
+    return self.head(self.encoder(x, plan))
+
+  def unit_sizes(self) -> dict:
+    """Entries per unit along each unit axis."""
+    return {"mlp": 1, "heads": self.head_dim}

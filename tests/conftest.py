@@ -1,0 +1,20 @@
+"""Eight fake CPU devices for every test (set before jax is imported)."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+
+# Engines are rebuilt per test, so identical programs (inits, packers, reference models) would
+# compile again; the persistent cache, keyed by the program, shares them within the session.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="semijax-jit-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+# Tests check semantics, not speed: skip most XLA optimization passes to compile faster (as the
+# flax examples' tests do).
+jax.config.update("jax_disable_most_optimizations", True)

@@ -1,0 +1,118 @@
+"""Shared test fixtures: tiny models, random uneven layouts, batches, reference comparisons."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import dense_reference as ref
+from semijax import engine as engine_lib
+from semijax import layout as L
+from semijax import mesh as mesh_lib
+from semijax import tasks
+from semijax.models import gpt, vit
+
+GPT_KW = dict(vocab_size=64, seq_len=8, d_model=32, num_heads=8, d_ff=48, num_layers=2)
+VIT_KW = dict(image_size=8, patch_size=2, channels=1, num_classes=10, d_model=32, num_heads=8,
+              d_ff=48, num_layers=2)
+MODELS = {
+    "gpt": (gpt.GPT, ref.GPT, GPT_KW, tasks.language_model),
+    "vit": (vit.ViT, ref.ViT, VIT_KW, tasks.classification),
+}
+
+
+def make_engine(name, data=1, tensor=8, tx=None, **kw):
+  model_cls, _, model_kw, task = MODELS[name]
+  mesh = mesh_lib.make_mesh(data, tensor)
+  tx = tx or optax.adamw(1e-2, weight_decay=0.1)
+  return engine_lib.Engine(lambda rngs: model_cls(rngs=rngs, **model_kw), task, mesh, tx, **kw)
+
+
+def random_unit_layout(rng, kind, num_units, n, extra_capacity=1):
+  """A random uneven, *non-contiguous* ownership in which one device owns exactly one unit."""
+  cuts = np.sort(rng.choice(np.arange(1, num_units), size=n - 1, replace=False))
+  counts = np.diff(np.concatenate([[0], cuts, [num_units]]))
+  if n > 1:
+    d = int(rng.integers(n))
+    counts[(d + 1) % n] += counts[d] - 1
+    counts[d] = 1
+  perm = rng.permutation(num_units)
+  starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+  owned = tuple(tuple(int(u) for u in perm[s:s + c]) for s, c in zip(starts, counts))
+  capacity = int(counts.max()) + extra_capacity
+  return L.UnitLayout(kind, num_units, owned, capacity, tuple(int(c) for c in counts),
+                      L.default_widths(capacity))
+
+
+def random_layout(seed, n, model="gpt"):
+  rng = np.random.default_rng(seed)
+  kw = MODELS[model][2]
+  return L.Layout(mlp=random_unit_layout(rng, "mlp", kw["d_ff"], n),
+                  heads=random_unit_layout(rng, "heads", kw["num_heads"], n))
+
+
+def even_layout(n, model="gpt"):
+  kw = MODELS[model][2]
+  return L.Layout.for_model(d_model=kw["d_model"], num_heads=kw["num_heads"], d_ff=kw["d_ff"],
+                            num_devices=n)
+
+
+def make_batch(model, seed=0, batch_size=4):
+  rng = np.random.default_rng(seed)
+  if model == "gpt":
+    kw = GPT_KW
+    toks = rng.integers(0, kw["vocab_size"], (batch_size, kw["seq_len"] + 1)).astype(np.int32)
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+  kw = VIT_KW
+  images = rng.normal(size=(batch_size, kw["image_size"], kw["image_size"], kw["channels"]))
+  return {"images": images.astype(np.float32),
+          "labels": rng.integers(0, kw["num_classes"], batch_size).astype(np.int32)}
+
+
+def reference_loss_fn(model, logical_params):
+  """(graphdef, ref params, loss(ref_params, batch) -> (loss, logits)) of the dense reference."""
+  _, ref_cls, kw, _ = MODELS[model]
+  graphdef, ref_params = ref.build(ref_cls, logical_params, **kw)
+  def loss(p, batch):
+    inputs = batch["inputs"] if model == "gpt" else batch["images"]
+    labels = batch["targets"] if model == "gpt" else batch["labels"]
+    logits = ref.apply(graphdef, p, jnp.asarray(inputs))
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(labels)[..., None], -1)), logits
+  return graphdef, ref_params, loss
+
+
+def reference_logits_and_grads(model, logical_params, batch):
+  """Dense reference logits and logical-layout gradients, in one compiled program."""
+  _, ref_params, loss = reference_loss_fn(model, logical_params)
+  fn = jax.jit(jax.grad(loss, has_aux=True))
+  grads, logits = fn(ref_params, batch)
+  return logits, ref.from_reference(grads)
+
+
+def logits_and_grads(eng, params, batch, plan):
+  """Engine logits and parameter gradients (padded), in one compiled program."""
+  def fn(p, b, pl):
+    return eng.logits(p, b, pl), jax.grad(lambda p: eng.loss(p, b, pl)[0])(p)
+  return jax.jit(fn)(params, batch, plan)
+
+
+def assert_trees_close(actual, expected, atol, rtol=1e-5):
+  paths = jax.tree_util.tree_leaves_with_path(expected)
+  for (path, e), a in zip(paths, jax.tree.leaves(actual)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=atol, rtol=rtol,
+                               err_msg=jax.tree_util.keystr(path))
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+
+
+def split_slots(eng, padded_tree, layout):
+  """Yields (kind, axis names, owned entries, padding entries) of each unit-axis array."""
+  masks = {k: u.owned_mask() for k, u in layout.kinds().items()}
+  for a, x in zip(jax.tree.leaves(eng.axes), jax.tree.leaves(padded_tree)):
+    if (unit := a.unit()) is None:
+      continue
+    axis, kind = unit
+    x = np.moveaxis(np.asarray(x), axis, 0).reshape(len(masks[kind]), -1)
+    yield kind, a.names, x[masks[kind]], x[~masks[kind]]
