@@ -25,6 +25,7 @@ Every check raises `LayoutError` with a message that starts with the field it is
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Sequence
 
@@ -54,7 +55,12 @@ def even_counts(num_units: int, num_devices: int) -> tuple[int, ...]:
 
 
 def proportional_counts(num_units: int, speeds: Sequence[float], minimum: int = 1) -> tuple[int, ...]:
-  """Splits `num_units` in proportion to `speeds` (largest remainder), at least `minimum` each.
+  """Splits `num_units` by speed so the slowest finisher is as fast as possible.
+
+  Every device starts with `minimum` units; each further unit goes to the device that would
+  finish it soonest ((count + 1) / speed smallest). This minimizes max(count / speed), which
+  rounding the proportional shares does not (with a minimum it can hand a remainder to the
+  slowest device).
 
   Args:
     num_units: U, the number of logical units to split.
@@ -70,12 +76,14 @@ def proportional_counts(num_units: int, speeds: Sequence[float], minimum: int = 
   n = len(speeds)
   if minimum * n > num_units:
     raise LayoutError(f"cannot give {n} devices at least {minimum} of {num_units} units each")
-  spare = num_units - minimum * n
-  share = spare * speeds / speeds.sum()
-  counts = np.floor(share).astype(int)
-  order = np.argsort(-(share - counts), kind="stable")
-  counts[order[: spare - counts.sum()]] += 1
-  return tuple(int(c) + minimum for c in counts)
+  counts = [minimum] * n
+  heap = [((minimum + 1) / s, d) for d, s in enumerate(speeds)]
+  heapq.heapify(heap)
+  for _ in range(num_units - minimum * n):
+    _, d = heapq.heappop(heap)
+    counts[d] += 1
+    heapq.heappush(heap, ((counts[d] + 1) / speeds[d], d))
+  return tuple(counts)
 
 
 @dataclasses.dataclass(frozen=True)
