@@ -129,12 +129,19 @@ class Engine:
 
   # --- parameters and optimizer state ---------------------------------------------------------
 
+  def _init_logical(self, seed: int) -> TrainState:
+    params = nnx.to_pure_dict(nnx.split(self.model_fn(nnx.Rngs(seed)))[1])
+    return TrainState(params, self.tx.init(params))
+
   def init_logical(self, seed: int) -> TrainState:
     """Logical parameters and optimizer state from `seed` (replicated)."""
-    def init():
-      params = nnx.to_pure_dict(nnx.split(self.model_fn(nnx.Rngs(seed)))[1])
-      return TrainState(params, self.tx.init(params))
-    return jax.jit(init, out_shardings=self.replicated)()
+    return jax.jit(functools.partial(self._init_logical, seed), out_shardings=self.replicated)()
+
+  def abstract_logical(self) -> TrainState:
+    """Shapes, dtypes and (replicated) shardings of the logical state: a restore target."""
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated),
+        jax.eval_shape(functools.partial(self._init_logical, 0)))
 
   def state_shardings(self, params_abstract) -> TrainState:
     opt = jax.eval_shape(self.tx.init, params_abstract)
@@ -269,10 +276,10 @@ class Engine:
       self._compiled[key] = fn
     return fn
 
-  def compile(self, state: TrainState, batch, plan: tp.Plan) -> None:
+  def compile(self, state: TrainState, batch, plan: tp.Plan, eval_batch=None) -> None:
     """Compiles (ahead of time) the train and eval steps for this state/batch/plan bucket."""
     self._compiled_fn("train", state, batch, plan)
-    self._compiled_fn("eval", state.params, batch, plan)
+    self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch, plan)
 
   def train_step(self, state: TrainState, batch, plan: tp.Plan):
     """One optimizer step; `state` is donated. Returns (new state, metrics dict of scalars)."""

@@ -1,25 +1,10 @@
 """Changing owned counts or active widths inside a capacity bucket never recompiles."""
 
-import contextlib
-
 import jax
 import pytest
 
 import helpers as H
 from semijax import layout as L
-
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_backend_compiles():
-  events = []
-  listener = lambda name, secs, **kw: events.append(name) if name == BACKEND_COMPILE else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def layout(mlp, heads, cap_mlp=16, cap_heads=3):
@@ -42,7 +27,7 @@ def test_counts_and_actives_inside_a_bucket_reuse_the_compiled_step():
   state = eng.relayout(state, even, even)              # warm the (data-driven) repacking too
   traces, compiles = eng.trace_count, eng.compile_count
 
-  with count_backend_compiles() as events:
+  with H.count_backend_compiles() as events:
     prev = even
     for lay in (uneven, resized, even, resized):
       state = eng.relayout(state, prev, lay)
@@ -57,7 +42,7 @@ def test_counts_and_actives_inside_a_bucket_reuse_the_compiled_step():
   # A new capacity bucket is a new compiled variant, exactly once.
   bigger = layout((20, 4, 12, 12), (2, 2, 2, 2), cap_mlp=20)
   state = eng.relayout(state, prev, bigger)
-  with count_backend_compiles() as events:
+  with H.count_backend_compiles() as events:
     for _ in range(2):
       state, metrics = eng.train_step(state, batch, eng.plan(bigger))
   assert eng.compile_count == compiles + 1 and len(events) >= 1
@@ -68,7 +53,7 @@ def test_strict_engine_refuses_an_unknown_bucket_before_compiling():
   lay = layout((12, 12, 12, 12), (2, 2, 2, 2))
   state = eng.init(0, lay)
   batch = eng.shard_batch(H.make_batch("gpt"))
-  with count_backend_compiles() as events:
+  with H.count_backend_compiles() as events:
     with pytest.raises(L.LayoutError, match=r"^layout.capacity: no compiled train step"):
       eng.train_step(state, batch, eng.plan(lay))
   assert events == [] and eng.compile_count == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,3 +118,17 @@ def split_slots(eng, padded_tree, layout):
     axis, kind = unit
     x = np.moveaxis(np.asarray(x), axis, 0).reshape(len(masks[kind]), -1)
     yield kind, a.names, x[masks[kind]], x[~masks[kind]]
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_backend_compiles():
+  events = []
+  listener = lambda name, secs, **kw: events.append(name) if name == BACKEND_COMPILE else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

@@ -1,0 +1,43 @@
+r"""A byte-level GPT on the Python documentation topics (text that ships with Python).
+
+Default: a model sized for one GPU or TPU host. Options after the colon:
+  cpu         a small variant for CPUs (8 fake devices on 2 cores train it in minutes)
+  tensor=N    devices on the tensor axis; data=N: data-parallel replicas
+
+  python experiments/train.py --config configs/gpt_tiny.py:cpu --workdir /tmp/gpt_tiny
+  python experiments/train.py --config configs/gpt_tiny.py:cpu --workdir /tmp/gpt_slow \
+      --config.hetero.slowdown='(1,1,1,4,1,1,1,1)' --config.layout.mlp=56,56,56,16,56,56,56,60
+"""
+
+from semijax import config_lib
+
+
+def get_config(arg=None):
+  arg = config_lib.parse_arg(arg, cpu=False, tensor=8, data=1)
+  config = config_lib.base_config()
+  config.mesh.data = arg.data
+  config.mesh.tensor = arg.tensor
+
+  # Model section: a causal byte-level transformer (vocabulary = the 256 byte values).
+  config.model.name = "gpt"
+  config.model.vocab_size = 256
+  config.model.seq_len = 64 if arg.cpu else 256
+  config.model.d_model = 128 if arg.cpu else 512
+  config.model.num_heads = 16        # >= mesh.tensor, so every device can own a head
+  config.model.d_ff = 512 if arg.cpu else 2048
+  config.model.num_layers = 2 if arg.cpu else 6
+
+  # Data section: pydoc topics, last 10% held out.
+  config.data.name = "pydoc"
+  config.data.val_fraction = 0.1
+  config.data.eval_batches = 4
+
+  # Training section.
+  config.steps = 150 if arg.cpu else 5_000
+  config.batch_size = 16 if arg.cpu else 64
+  config.eval_every = 50 if arg.cpu else 500
+  config.log_every = 10 if arg.cpu else 50
+  config.checkpoint_every = 50 if arg.cpu else 1_000
+  config.optimizer.learning_rate = 3e-3 if arg.cpu else 1e-3
+  config.optimizer.warmup_steps = 20 if arg.cpu else 200
+  return config
