@@ -128,7 +128,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if step % config.log_every == 0 or step == config.steps or "val/loss" in scalars:
       writer.write(step, scalars)
       if jax.process_index() == 0:
-        shown = {k: v for k, v in scalars.items() if k in ("train/loss", "val/loss", "val/accuracy")}
+        names = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "val_accuracy"}
+        shown = {names[k]: v for k, v in scalars.items() if k in names}
         print(progress.line(step, dt, items_per_step, shown), flush=True)
     if (config.checkpoint_every and step % config.checkpoint_every == 0) or step == config.steps:
       meta = {"data_position": step, "layout": layout.to_json(),
