@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from semijax import engine as engine_lib
@@ -30,11 +32,27 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def save(self, step: int, logical: engine_lib.TrainState, meta: dict) -> None:
-    """Saves and waits until the checkpoint is committed (so a crash later cannot lose it)."""
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(logical), meta=ocp.args.JsonSave(dict(meta, step=step))))
+  def save(self, step: int, logical: engine_lib.TrainState, meta: dict,
+           extra: dict | None = None) -> None:
+    """Saves and waits until the checkpoint is committed (so a crash later cannot lose it).
+
+    `extra`: optional host state (a tree of numpy arrays, e.g. resize priority scores).
+    """
+    items = dict(state=ocp.args.StandardSave(logical),
+                 meta=ocp.args.JsonSave(dict(meta, step=step, has_extra=extra is not None)))
+    if extra is not None:
+      items["extra"] = ocp.args.StandardSave(extra)
+    self._manager.save(step, args=ocp.args.Composite(**items))
     self._manager.wait_until_finished()
+
+  def restore_extra(self, step: int | None = None) -> dict | None:
+    """The `extra` tree saved with `step` (numpy arrays), or None if it had none."""
+    step = self.latest_step() if step is None else step
+    if not self.read_meta(step).get("has_extra"):
+      return None
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        extra=ocp.args.StandardRestore()))
+    return jax.tree.map(np.asarray, restored.extra)
 
   def restore(self, abstract: engine_lib.TrainState, step: int | None = None):
     """(logical TrainState, meta dict) of `step` (default: latest); `abstract` gives shardings."""

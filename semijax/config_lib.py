@@ -30,6 +30,7 @@ import optax
 
 from semijax import layout as layout_lib
 from semijax import models
+from semijax import resize as resize_lib
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,21 @@ def base_config() -> ml_collections.ConfigDict:
   c.hetero = ml_collections.ConfigDict()
   c.hetero.slowdown = ()           # Per tensor device slowdown factors; () = no emulation.
   c.hetero.device_gflops = 2.0     # Emulated FLOP rate of a nominal device (GFLOP/s).
+
+  # ZERO-resizing (semijax.resize): who computes only part of its units, and how.
+  c.resize = ml_collections.ConfigDict()
+  c.resize.keep = ()               # One keep ratio in (0, 1] per tensor device; () = none.
+  # "rotate" (the straggler is device epoch mod N), device indices like (3,) or "3,5"; "" = none.
+  c.resize.straggler = ml_collections.FieldReference("", field_type=object)
+  c.resize.straggler_keep = 0.5    # Keep ratio of a straggler.
+  c.resize.mode = "units"          # "units" | "contraction" (the authors' variant).
+  c.resize.imputation = "zero"     # "zero" | "fill" | "rescale".
+  c.resize.priority = "weight_delta"   # "weight_delta" | "random" | "window" | "magnitude".
+  c.resize.freeze = True           # Skipped weights and their optimizer moments stay unchanged.
+  c.resize.fill_value = 1e-18      # The "fill" imputation's constant (the authors').
+  c.resize.epoch_steps = 0         # Steps per rotation "epoch"; 0 = one pass over the data.
+  c.resize.refresh_every = 0       # Steps between priority refreshes; 0 = epoch_steps.
+  c.resize.fractions = resize_lib.DEFAULT_FRACTIONS   # contraction: compiled keep fractions.
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 3e-3
@@ -117,6 +133,7 @@ class Parsed:
 
   layout: layout_lib.Layout
   slowdown: tuple[float, ...] | None
+  resize: resize_lib.ResizeSpec | None = None   # None: no resizing configured
 
 
 def _check_keys(node, schema: dict, prefix: str) -> None:
@@ -214,7 +231,44 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   if not 0 < config.data.val_fraction < 1:
     raise ConfigError(f"config.data.val_fraction: must be in (0, 1), got "
                       f"{config.data.val_fraction}")
-  return Parsed(layout, slowdown)
+  return Parsed(layout, slowdown, parse_resize(config.resize, tensor))
+
+
+def _parse_devices(value):
+  """"rotate", "" or device indices (a tuple, or a string "3,5" / "(3,)")."""
+  if isinstance(value, str):
+    text = value.strip()
+    if text in ("", "rotate"):
+      return text
+    try:
+      return tuple(int(v) for v in text.strip("()[]").replace(" ", "").split(",") if v)
+    except ValueError:
+      raise ConfigError(f"config.resize.straggler: {value!r} is not 'rotate' or device "
+                        "indices") from None
+  try:
+    return tuple(value)
+  except TypeError:
+    raise ConfigError(f"config.resize.straggler: {value!r} is not 'rotate' or device "
+                      "indices") from None
+
+
+def parse_resize(r, num_devices: int) -> resize_lib.ResizeSpec | None:
+  """`config.resize` -> a validated ResizeSpec, or None when nobody is resized."""
+  try:
+    keep = tuple(r.keep) if not isinstance(r.keep, str) else tuple(
+        float(v) for v in r.keep.strip("()[]").split(",") if v.strip())
+  except (TypeError, ValueError):
+    raise ConfigError(f"config.resize.keep: {r.keep!r} is not a tuple of keep ratios") from None
+  spec = resize_lib.ResizeSpec(
+      keep=keep, straggler=_parse_devices(r.straggler), straggler_keep=r.straggler_keep,
+      mode=r.mode, imputation=r.imputation, priority=r.priority, freeze=bool(r.freeze),
+      fill_value=r.fill_value, epoch_steps=r.epoch_steps, refresh_every=r.refresh_every,
+      fractions=tuple(r.fractions))
+  try:
+    spec.validate(num_devices)
+  except resize_lib.ResizeError as e:
+    raise ConfigError(str(e)) from None
+  return spec if spec.enabled else None
 
 
 def speed_proportional(config, slowdown) -> ml_collections.ConfigDict:

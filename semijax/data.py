@@ -211,6 +211,11 @@ class TextDataset:
     return self.seq_len
 
   @property
+  def steps_per_epoch(self) -> int:
+    """Global batches that together hold about as many tokens as the training part."""
+    return max(1, math.ceil(len(self.train) / (self.batch_size * self.seq_len)))
+
+  @property
   def local_batch_size(self) -> int:
     return self._rows.stop - self._rows.start
 
@@ -288,6 +293,11 @@ class ImageDataset:
   @property
   def num_train(self) -> int:
     return len(self.train_index)
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """Global batches per pass over the training images."""
+    return max(1, math.ceil(self.num_train / self.batch_size))
 
   @property
   def num_val(self) -> int:

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from semijax import layout as layout_lib
 from semijax import mesh as mesh_lib
+from semijax import resize as resize_lib
 from semijax import sharding
 from semijax import tp
 
@@ -118,13 +119,19 @@ class Engine:
         raise layout_lib.LayoutError(
             f"layout.{kind}: {u.num_units} units, but the model has {self.num_units[kind]}")
 
-  def plan(self, layout: layout_lib.Layout, slowdown=None) -> tp.Plan:
-    """The device-placed plan for a step with `layout` (and optional emulated slowdowns)."""
+  def plan(self, layout: layout_lib.Layout, slowdown=None, resize=None) -> tp.Plan:
+    """The device-placed plan for a step with `layout`.
+
+    Args:
+      layout: the layout the state is packed in.
+      slowdown: optional emulated slowdown factor per tensor device.
+      resize: optional host `resize.Resize` (from `priority.Priority.select`).
+    """
     self.check_layout(layout)
     if slowdown is not None and len(slowdown) != self.tensor_size:
       raise ValueError(f"hetero.slowdown: {len(slowdown)} factors for {self.tensor_size} "
                        "tensor devices")
-    return tp.make_plan(layout, self.mesh, slowdown=slowdown,
+    return tp.make_plan(layout, self.mesh, slowdown=slowdown, resize=resize,
                         unit_ms=self.unit_ms if slowdown is not None else None)
 
   # --- parameters and optimizer state ---------------------------------------------------------
@@ -239,8 +246,16 @@ class Engine:
   def _train_step(self, state: TrainState, batch, plan):
     self.trace_count += 1
     (loss, terms), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch, plan)
+    if plan.resize is not None:
+      masks = resize_lib.skip_masks(plan.resize, plan.active, self.axes, self.unit_sizes)
+      grads = resize_lib.impute_gradients(plan.resize, masks, grads)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if plan.resize is not None:   # optionally keep skipped weights and moments as they were
+      params = resize_lib.freeze(plan.resize, masks, params, state.params)
+      opt_masks = sharding.map_params(self.tx, lambda _, m: m, opt_state, masks,
+                                      non_params=lambda _: jnp.zeros((), bool))
+      opt_state = resize_lib.freeze(plan.resize, opt_masks, opt_state, state.opt_state)
     metrics = {"loss": loss, "accuracy": terms["correct"] / terms["count"],
                "grad_norm": optax.tree.norm(grads)}
     return TrainState(params, opt_state), metrics
@@ -252,7 +267,8 @@ class Engine:
   # --- compiled variants ----------------------------------------------------------------------
 
   def _key(self, kind, plan, batch):
-    return (kind, plan.widths, plan.unit_ms, plan.slowdown is None, _signature(batch))
+    # The plan's tree structure holds its static parts (widths, emulation, resize settings).
+    return (kind, jax.tree.structure(plan), _signature(plan), _signature(batch))
 
   def _compiled_fn(self, kind, state_or_params, batch, plan):
     # Parameter shapes follow from the widths (the last width of each kind is its capacity).
@@ -279,12 +295,14 @@ class Engine:
   def compile(self, state: TrainState, batch, plan: tp.Plan, eval_batch=None) -> None:
     """Compiles (ahead of time) the train and eval steps for this state/batch/plan bucket."""
     self._compiled_fn("train", state, batch, plan)
-    self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch, plan)
+    self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch,
+                      plan.exact())
 
   def train_step(self, state: TrainState, batch, plan: tp.Plan):
     """One optimizer step; `state` is donated. Returns (new state, metrics dict of scalars)."""
     return self._compiled_fn("train", state, batch, plan)(state, batch, plan)
 
   def eval_terms(self, params, batch, plan: tp.Plan) -> dict:
-    """Summed loss terms of one evaluation batch (use a plan with every unit active)."""
+    """Summed loss terms of one evaluation batch; evaluation is exact (`plan.resize` ignored)."""
+    plan = plan.exact()   # evaluation never resizes
     return self._compiled_fn("eval", params, batch, plan)(params, batch, plan)

@@ -104,7 +104,10 @@ def unpack_tree(tree, axes, units: dict, unit_sizes: dict):
   return jax.tree.map(one, axes, tree)
 
 
-def map_params(tx: optax.GradientTransformation, fn, opt_state, axes):
-  """Applies fn(leaf, Axes) to the parameter-shaped leaves of an optax state (mu, nu, ...)."""
+def map_params(tx: optax.GradientTransformation, fn, opt_state, axes, non_params=lambda x: x):
+  """Applies fn(leaf, Axes) to the parameter-shaped leaves of an optax state (mu, nu, ...).
+
+  `axes` may be any tree shaped like the parameters; `non_params` maps the other leaves.
+  """
   return optax.tree_utils.tree_map_params(tx, fn, opt_state, axes,
-                                          transform_non_params=lambda x: x)
+                                          transform_non_params=non_params)

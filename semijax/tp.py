@@ -32,7 +32,7 @@ from semijax import mesh as mesh_lib
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("active", "slowdown"), meta_fields=("widths", "unit_ms"))
+                   data_fields=("active", "slowdown", "resize"), meta_fields=("widths", "unit_ms"))
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What every tensor device computes in one step.
@@ -41,6 +41,8 @@ class Plan:
     active: {kind: int32 [N]} leading slots each device computes ([1] locally in shard_map).
     slowdown: float32 [N] emulated slowdown factor per tensor device (1.0 = nominal), or None for
       no emulation ([1] locally).
+    resize: a `resize.Resize` (ZERO-resizing: which units / features each device skips in each
+      layer), or None for exact computation. Inside a block, `layer(i)` has sliced it to layer i.
     widths: ((kind, compute widths), ...), static: the compiled bucket widths.
     unit_ms: ((kind, ms), ...), static: emulated milliseconds per unit of executed width at
       slowdown 1 (forward plus backward); only used when `slowdown` is not None.
@@ -50,6 +52,7 @@ class Plan:
   slowdown: jax.Array | None
   widths: tuple
   unit_ms: tuple = ()
+  resize: object = None
 
   def widths_of(self, kind: str) -> tuple[int, ...]:
     return dict(self.widths)[kind]
@@ -57,17 +60,32 @@ class Plan:
   def unit_ms_of(self, kind: str) -> float:
     return dict(self.unit_ms).get(kind, 0.0)
 
+  def layer(self, i: int) -> "Plan":
+    """The plan of block i: resize arrays [N, L, ...] sliced to [N, ...] (or [1, ...] locally)."""
+    if self.resize is None:
+      return self
+    return dataclasses.replace(self, resize=self.resize.layer(i))
+
+  def exact(self) -> "Plan":
+    """The same plan without resizing (evaluation always computes every owned unit)."""
+    return dataclasses.replace(self, resize=None)
+
 
 def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, slowdown=None,
-              unit_ms: dict | None = None) -> Plan:
-  """The device-placed plan for `layout` (actives sharded over `tensor`)."""
+              unit_ms: dict | None = None, resize=None) -> Plan:
+  """The device-placed plan for `layout` (every data leaf sharded over `tensor`).
+
+  `resize` is a host-side `resize.Resize` (numpy leaves [N, L, ...]) or None.
+  """
   shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
-  active = {k: jax.device_put(np.asarray(u.active, np.int32), shard)
-            for k, u in layout.kinds().items()}
+  put = lambda x: jax.device_put(x, shard)
+  active = {k: put(np.asarray(u.active, np.int32)) for k, u in layout.kinds().items()}
   if slowdown is not None:
-    slowdown = jax.device_put(np.asarray(slowdown, np.float32), shard)
+    slowdown = put(np.asarray(slowdown, np.float32))
+  if resize is not None:
+    resize = jax.tree.map(put, resize)
   return Plan(active, slowdown, tuple((k, u.widths) for k, u in layout.kinds().items()),
-              tuple(sorted((unit_ms or {}).items())))
+              tuple(sorted((unit_ms or {}).items())), resize)
 
 
 def plan_specs(plan: Plan) -> Plan:
@@ -80,6 +98,14 @@ def bucket_index(active: jax.Array, widths: tuple[int, ...]) -> jax.Array:
   return jnp.sum(active > jnp.asarray(widths[:-1], active.dtype)).astype(jnp.int32)
 
 
+def at_bucket(index: jax.Array, variants: tuple, fn: Callable, *operands):
+  """Runs `fn(variants[index], *operands)`: static variants, a traced index (see module doc)."""
+  if len(variants) == 1:
+    return fn(variants[0], *operands)
+  branches = [jax.checkpoint(functools.partial(fn, v)) for v in variants]
+  return jax.lax.switch(index, branches, *operands)
+
+
 def at_width(active: jax.Array, widths: tuple[int, ...], fn: Callable, *operands):
   """Runs `fn(width, *operands)` at this device's bucket width (see module doc).
 
@@ -88,10 +114,7 @@ def at_width(active: jax.Array, widths: tuple[int, ...], fn: Callable, *operands
     widths: static ascending bucket widths.
     fn: fn(width, *operands) -> outputs; all widths must give outputs of the same shape.
   """
-  if len(widths) == 1:
-    return fn(widths[0], *operands)
-  branches = [jax.checkpoint(functools.partial(fn, w)) for w in widths]
-  return jax.lax.switch(bucket_index(active, widths), branches, *operands)
+  return at_bucket(bucket_index(active, widths), widths, fn, *operands)
 
 
 def unit_mask(width: int, active: jax.Array, dtype) -> jax.Array:
@@ -99,7 +122,85 @@ def unit_mask(width: int, active: jax.Array, dtype) -> jax.Array:
   return (jnp.arange(width) < active).astype(dtype)
 
 
-def mlp_partial(width, x, w1, b1, w2, active):
+@dataclasses.dataclass(frozen=True)
+class Cut:
+  """What a resized device leaves out of one block (built inside shard_map, local values).
+
+  units mode (feats is None): the block computes only slots `units[:kept]` (both GEMMs shrink).
+  contraction mode: the column GEMMs contract over input features `feats[:feats_kept]` only and
+  the row GEMM over slots `units[:kept]` only; output shapes are unchanged.
+
+  Attributes:
+    units: units mode: int32 [C] a permutation of the local slots, kept ones first; contraction
+      mode: int32 [rw] slot indices, kept first (rw = the static row compute width).
+    kept: int32 scalar, how many of `units` are computed.
+    feats: int32 [fw] feature indices of d_model, kept first, or None (units mode).
+    feats_kept: int32 scalar.
+    col_scale, row_scale: scalars multiplying the column / row GEMM results (1.0, or full/kept
+      for the `rescale` imputation).
+  """
+
+  units: jax.Array
+  kept: jax.Array
+  feats: jax.Array | None = None
+  feats_kept: jax.Array | None = None
+  col_scale: jax.Array | float = 1.0
+  row_scale: jax.Array | float = 1.0
+
+
+def _entries(idx, unit_size):
+  """Unit indices [k] -> entry indices [k*unit_size] along an axis with unit_size per unit."""
+  if unit_size == 1:
+    return idx
+  return (idx[:, None] * unit_size + jnp.arange(unit_size)).reshape(-1)
+
+
+def _take_units(w, idx, axis, unit_size=1):
+  """Gathers units `idx` (local slots, clipped into range) along `axis`."""
+  return jnp.take(w, _entries(idx, unit_size), axis=axis, mode="clip")
+
+
+
+
+def _column(x, w, b, width, unit_size, cut):
+  """Column-parallel GEMM of x [..., d_model] with the local block w [d_model, C*unit_size].
+
+  Returns [..., width*unit_size]: the first `width` slots, or the slots `cut.units` in units
+  mode; in contraction mode only the features `cut.feats[:cut.feats_kept]` are summed over.
+  """
+  n = width * unit_size
+  if cut is None:
+    return x @ w[:, :n] + b[:n]
+  if cut.feats is None:
+    units = cut.units[:width]
+    return x @ _take_units(w, units, 1, unit_size) + _take_units(b, units, 0, unit_size)
+  f = cut.feats
+  xf = jnp.take(x, f, axis=-1) * unit_mask(f.shape[0], cut.feats_kept, x.dtype)
+  return (xf @ jnp.take(w[:, :n], f, axis=0)) * cut.col_scale + b[:n]
+
+
+def _row(h, w, width, unit_size, cut):
+  """Row-parallel GEMM of h [..., width, unit_size] (masked) with w [C*unit_size, d_model].
+
+  Returns this device's partial sum [..., d_model], times `cut.row_scale`. In contraction mode
+  it sums only over the slots `cut.units[:cut.kept]`.
+  """
+  flat = lambda a: a.reshape(*a.shape[:-2], a.shape[-2] * unit_size)
+  if cut is None:
+    return flat(h) @ w[:width * unit_size]
+  if cut.feats is None:   # units mode: h already holds the selected units
+    return (flat(h) @ _take_units(w, cut.units[:width], 0, unit_size)) * cut.row_scale
+  units = jnp.minimum(cut.units, width - 1)   # kept slots are < active <= width; the rest masked
+  hk = jnp.take(h, units, axis=-2) * unit_mask(units.shape[0], cut.kept, h.dtype)[:, None]
+  return (flat(hk) @ _take_units(w, units, 0, unit_size)) * cut.row_scale
+
+
+def _computed(width, active, cut):
+  """int32 scalar: how many leading computed slots are real (the rest are masked to zero)."""
+  return active if cut is None or cut.feats is not None else cut.kept
+
+
+def mlp_partial(width, x, w1, b1, w2, active, cut: Cut | None = None):
   """This device's partial MLP output, computed at `width` units.
 
   Args:
@@ -107,16 +208,18 @@ def mlp_partial(width, x, w1, b1, w2, active):
     x: [..., d_model] activations (replicated over `tensor`).
     w1: [d_model, C] local column block; b1: [C]; w2: [C, d_model] local row block.
     active: int32 scalar; slots >= active contribute zero.
+    cut: what a resized device leaves out (`Cut`), or None for the exact block.
 
   Returns:
     [..., d_model] partial sum (before the all-reduce, without the output bias).
   """
-  h = x @ w1[:, :width] + b1[:width]
-  h = jax.nn.gelu(h) * unit_mask(width, active, h.dtype)
-  return h @ w2[:width]
+  h = jax.nn.gelu(_column(x, w1, b1, width, 1, cut))
+  h = h * unit_mask(width, _computed(width, active, cut), h.dtype)
+  return _row(h[..., None], w2, width, 1, cut)
 
 
-def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, *, head_dim, causal):
+def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | None = None, *,
+                      head_dim, causal):
   """This device's partial attention output, computed at `width` heads.
 
   Args:
@@ -125,13 +228,14 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, *, head_dim,
     wq, wk, wv: [d_model, C*head_dim] local column blocks; bq, bk, bv: [C*head_dim];
     wo: [C*head_dim, d_model] local row block.
     active: int32 scalar; heads >= active contribute zero.
+    cut: what a resized device leaves out (`Cut`), or None for the exact block.
     head_dim: features per head. causal: mask future positions.
 
   Returns:
     [batch, seq, d_model] partial sum (before the all-reduce, without the output bias).
   """
-  n = width * head_dim
-  heads = lambda w, b: (x @ w[:, :n] + b[:n]).reshape(*x.shape[:-1], width, head_dim)
+  heads = lambda w, b: _column(x, w, b, width, head_dim, cut).reshape(
+      *x.shape[:-1], width, head_dim)
   q, k, v = heads(wq, bq), heads(wk, bk), heads(wv, bv)
   logits = jnp.einsum("bqhd,bkhd->bhqk", q / math.sqrt(head_dim), k)
   if causal:
@@ -140,17 +244,61 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, *, head_dim,
     logits = jnp.where(keep, logits, jnp.finfo(logits.dtype).min)
   probs = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-  out = out * unit_mask(width, active, out.dtype)[:, None]
-  return out.reshape(*x.shape[:-1], n) @ wo[:n]
+  out = out * unit_mask(width, _computed(width, active, cut), out.dtype)[:, None]
+  return _row(out, wo, width, head_dim, cut)
+
+
+def _resized(plan: Plan, kind: str, fn: Callable, x, weights, active):
+  """(partial output, executed width) of one device under a `resize.Resize` plan.
+
+  Branches: the exact block at every bucket width (a device that is not resized runs exactly
+  the code of a plan without resizing, so keep 1.0 changes nothing, bit for bit), then the
+  resized variants: units mode at every width of the kept count; contraction mode at every
+  (owned width, kept fraction) pair, the fraction setting both contractions.
+  """
+  r = plan.resize
+  widths = plan.widths_of(kind)
+  d_model = x.shape[-1]
+  order, kept = r.order[kind][0], r.kept[kind][0]
+  contraction = r.mode == "contraction"
+  if contraction:
+    feats, feats_kept, frac = r.feats[kind][0], r.feats_kept[kind][0], r.frac[kind][0]
+    resized = (kept < active) | (feats_kept < d_model)
+    cuts = tuple((w, f) for w in widths for f in r.fractions)
+    cut_index = bucket_index(active, widths) * len(r.fractions) + frac
+  else:
+    feats = feats_kept = jnp.zeros((), jnp.int32)
+    resized = kept < active
+    cuts = tuple((w, 1.0) for w in widths)
+    cut_index = bucket_index(kept, widths)
+  scale = lambda full, part: jnp.where(part > 0, full / jnp.maximum(part, 1), 1.0).astype(
+      x.dtype) if r.rescale else 1.0
+
+  def run(variant, x, *args):
+    *weights, order, kept, feats, feats_kept = args
+    exact, width, f = variant
+    if exact:
+      return fn(width, x, *weights, active)
+    if not contraction:
+      return fn(width, x, *weights, active, Cut(order, kept, row_scale=scale(active, kept)))
+    cut = Cut(order[:math.ceil(f * width)], kept, feats[:math.ceil(f * d_model)], feats_kept,
+              col_scale=scale(d_model, feats_kept), row_scale=scale(active, kept))
+    return fn(width, x, *weights, active, cut)
+
+  variants = tuple((True, w, 1.0) for w in widths) + tuple((False, w, f) for w, f in cuts)
+  index = jnp.where(resized, len(widths) + cut_index, bucket_index(active, widths))
+  y = at_bucket(index, variants, run, x, *weights, order, kept, feats, feats_kept)
+  executed = jnp.asarray([w * f for _, w, f in variants], jnp.float32)[index]
+  return y, executed
 
 
 def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights):
   """Runs a column->row parallel block on this device's units and all-reduces the result.
 
   Args:
-    plan: the local plan (inside shard_map).
+    plan: the local plan of this layer (inside shard_map; see `Plan.layer`).
     kind: "mlp" or "heads".
-    fn: a partial function like `mlp_partial`: fn(width, x, *weights, active).
+    fn: a partial function like `mlp_partial`: fn(width, x, *weights, active, cut).
     x: activations, replicated over `tensor`.
     weights: local padded blocks.
 
@@ -159,8 +307,11 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights):
   """
   active = plan.active[kind][0]
   widths = plan.widths_of(kind)
-  y = at_width(active, widths, fn, x, *weights, active)
-  if plan.slowdown is not None:
+  if plan.resize is None:
+    y = at_width(active, widths, fn, x, *weights, active)
     executed = jnp.asarray(widths, jnp.float32)[bucket_index(active, widths)]
+  else:
+    y, executed = _resized(plan, kind, fn, x, weights, active)
+  if plan.slowdown is not None:
     y = hetero.straggle(y, plan.unit_ms_of(kind) * executed * plan.slowdown[0])
   return jax.lax.psum(y, mesh_lib.TENSOR)

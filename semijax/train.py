@@ -29,6 +29,7 @@ from semijax import hetero
 from semijax import mesh as mesh_lib
 from semijax import metrics as metrics_lib
 from semijax import models
+from semijax import priority as priority_lib
 
 
 def build_engine(config, parsed: config_lib.Parsed) -> engine_lib.Engine:
@@ -44,6 +45,43 @@ def build_engine(config, parsed: config_lib.Parsed) -> engine_lib.Engine:
     unit_ms = hetero.unit_ms(flops, tokens, config.hetero.device_gflops)
   return engine_lib.Engine(model_fn, loss_terms, mesh, config_lib.optimizer(config),
                            unit_ms=unit_ms)
+
+
+class ResizeDriver:
+  """Chooses, before every step, the plan of a run with ZERO-resizing (config.resize).
+
+  Keep ratios come from `ResizeSpec.keep_ratios`; priority scores are refreshed every
+  `refresh_every` steps from the logical parameters; a new plan is built only when the keep
+  ratios or the scores change (the compiled step is reused: the plan is data).
+  """
+
+  def __init__(self, spec, engine, layout, slowdown, config, steps_per_epoch: int):
+    self.spec, self.engine, self.layout, self.slowdown = spec, engine, layout, slowdown
+    self.epoch_steps = spec.epoch_steps or steps_per_epoch
+    self.refresh_every = spec.refresh_every or self.epoch_steps
+    m = config.model
+    self.priority = priority_lib.Priority(
+        spec, num_layers=m.num_layers, d_model=m.d_model, num_units=engine.num_units,
+        unit_sizes=engine.unit_sizes, num_devices=layout.num_devices, seed=config.seed)
+    self._keep = None
+    self._plan = None
+    self._step = None
+
+  def plan(self, step: int, state) -> tuple:
+    """(plan, keep ratios) for 0-based `step`; `state` is the padded train state before it."""
+    keep = self.spec.keep_ratios(step, self.layout.num_devices, self.epoch_steps)
+    if step == self._step:
+      return self._plan, keep
+    self._step = step
+    refresh = step % self.refresh_every == 0
+    if refresh:
+      params = jax.device_get(self.engine.to_logical(state, self.layout).params)
+      self.priority.refresh(params, self.engine.axes, self.layout)
+    if refresh or keep != self._keep or self._plan is None:
+      self._keep = keep
+      self._plan = self.engine.plan(self.layout, self.slowdown,
+                                    self.priority.select(self.layout, keep))
+    return self._plan, keep
 
 
 def _restore_or_init(engine, ckpt, config, layout):
@@ -94,6 +132,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
   writer.write_config(config)
 
   plan = engine.plan(layout, parsed.slowdown)
+  resizer = None
+  if parsed.resize is not None:
+    resizer = ResizeDriver(parsed.resize, engine, layout, parsed.slowdown, config,
+                           dataset.steps_per_epoch)
+    if start and (saved := ckpt.restore_extra(start)) is not None:
+      resizer.priority.load_state_dict(saved["priority"])
+    plan, _ = resizer.plan(start, state)
   eval_batches = [engine.shard_batch(b) for b in dataset.eval_batches()]
   engine.compile(state, engine.shard_batch(dataset.train_batch(start)), plan, eval_batches[0])
 
@@ -105,6 +150,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
   last_saved = start if start else None
   for step in range(start + 1, config.steps + 1):
     batch = engine.shard_batch(dataset.train_batch(step - 1))
+    keep = None
+    if resizer is not None:
+      plan, keep = resizer.plan(step - 1, state)
     t0 = time.perf_counter()
     state, m = engine.train_step(state, batch, plan)
     loss = float(m["loss"])                          # waits for the step
@@ -122,6 +170,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
                "train/grad_norm": float(m["grad_norm"]),
                "train/learning_rate": float(schedule(step - 1)),
                "train/step_time_s": dt, f"train/{unit}_per_s": items_per_step / dt}
+    if keep is not None:
+      scalars.update({"resize/min_keep": min(keep), "resize/resized_devices": sum(
+          k < 1 for k in keep)})
     if step % config.eval_every == 0 or step == config.steps:
       val = _evaluate(engine, state.params, eval_batches, plan)
       scalars.update(val)
@@ -134,7 +185,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if (config.checkpoint_every and step % config.checkpoint_every == 0) or step == config.steps:
       meta = {"data_position": step, "layout": layout.to_json(),
               "model": config.model.to_dict()}
-      ckpt.save(step, engine.to_logical(state, layout), meta)
+      extra = None if resizer is None else {"priority": resizer.priority.state_dict()}
+      ckpt.save(step, engine.to_logical(state, layout), meta, extra)
       last_saved = step
   writer.close()
   ckpt.close()

@@ -93,6 +93,7 @@ class Encoder(nnx.Module):
     self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
 
   def __call__(self, x, plan: tp.Plan):
-    for block in self.blocks:
-      x = block(x, plan)
+    """x: [batch, seq, d_model] replicated over tensor; block i gets `plan.layer(i)`."""
+    for i, block in enumerate(self.blocks):
+      x = block(x, plan.layer(i))
     return self.ln_f(x)

@@ -1,0 +1,251 @@
+"""ZERO-resizing: a slow device computes only part of its work for a while (DESIGN.md s2).
+
+Two modes (`ResizeSpec.mode`):
+  * "units": the device skips a subset of its owned MLP units and heads in a layer, so both GEMMs
+    of the block (forward, input gradient and weight gradient) shrink for it;
+  * "contraction" (the authors' variant): the device skips part of the contraction dimension of
+    each local GEMM (the d_model input features of the column-parallel GEMMs, the units of the
+    row-parallel one); output shapes are kept, the device returns a partial sum.
+
+What the skipped part contributes instead (`imputation`): "zero"; "fill" (a constant, the
+authors' 1e-18, written into the skipped weight-gradient slots); "rescale" (the kept partial sum
+times full/kept, so its expectation matches the full one). `freeze` keeps skipped weights and their
+optimizer moments exactly as they were for that step (Adam moments applied to a zero gradient
+would otherwise still move them).
+
+Which units are skipped is chosen on the host by `priority.Priority` and handed to the step as a
+`Resize` (data, so a new choice or keep ratio never recompiles). Evaluation never resizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+MODES = ("units", "contraction")
+IMPUTATIONS = ("zero", "fill", "rescale")
+PRIORITIES = ("weight_delta", "random", "window", "magnitude")
+DEFAULT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+class ResizeError(ValueError):
+  """A resize setting that cannot be used; the message starts with the field name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeSpec:
+  """How and whom to resize (parsed from `config.resize`; see config_lib).
+
+  Attributes:
+    keep: one keep ratio in (0, 1] per tensor device, or () to use `straggler`.
+    straggler: "rotate" (device `epoch mod N`), a tuple of device indices, or "" / ().
+    straggler_keep: the keep ratio of a straggler.
+    mode, imputation, priority: see MODES, IMPUTATIONS, PRIORITIES.
+    freeze: keep skipped weights and their optimizer moments unchanged in that step.
+    fill_value: the constant of the "fill" imputation.
+    epoch_steps: steps per "epoch" (rotation period; default refresh interval); 0 = one pass
+      over the training data.
+    refresh_every: steps between priority refreshes; 0 = `epoch_steps`.
+    fractions: contraction mode: compiled keep fractions (ascending, ending at 1.0); a device
+      executes its contraction at the smallest fraction >= its keep ratio.
+  """
+
+  keep: tuple[float, ...] = ()
+  straggler: str | tuple[int, ...] = ""
+  straggler_keep: float = 0.5
+  mode: str = "units"
+  imputation: str = "zero"
+  priority: str = "weight_delta"
+  freeze: bool = True
+  fill_value: float = 1e-18
+  epoch_steps: int = 0
+  refresh_every: int = 0
+  fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.keep) or bool(self.straggler)
+
+  def validate(self, num_devices: int) -> "ResizeSpec":
+    """Raises ResizeError (naming the field) unless this spec fits `num_devices` devices."""
+    f = "config.resize"
+    for name, allowed in (("mode", MODES), ("imputation", IMPUTATIONS),
+                          ("priority", PRIORITIES)):
+      if getattr(self, name) not in allowed:
+        raise ResizeError(f"{f}.{name}: {getattr(self, name)!r} is not one of {list(allowed)}")
+    ok_ratio = lambda r: isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r <= 1
+    if self.keep:
+      if len(self.keep) != num_devices:
+        raise ResizeError(f"{f}.keep: {len(self.keep)} ratios {self.keep} for mesh.tensor = "
+                          f"{num_devices} devices")
+      bad = [r for r in self.keep if not ok_ratio(r)]
+      if bad:
+        raise ResizeError(f"{f}.keep: every ratio must be in (0, 1], got {bad[0]!r}")
+      if self.straggler:
+        raise ResizeError(f"{f}.straggler: set either resize.keep or resize.straggler, not both")
+    if isinstance(self.straggler, str):
+      if self.straggler not in ("", "rotate"):
+        raise ResizeError(f"{f}.straggler: {self.straggler!r} is not 'rotate' or a tuple of "
+                          "device indices")
+    else:
+      bad = [d for d in self.straggler
+             if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < num_devices]
+      if bad:
+        raise ResizeError(f"{f}.straggler: device {bad[0]!r} is not in [0, {num_devices})")
+    if not ok_ratio(self.straggler_keep):
+      raise ResizeError(f"{f}.straggler_keep: must be in (0, 1], got {self.straggler_keep!r}")
+    fr = self.fractions
+    if not fr or list(fr) != sorted(set(fr)) or fr[-1] != 1.0 or not all(0 < x <= 1 for x in fr):
+      raise ResizeError(f"{f}.fractions: {fr} must be distinct ascending ratios in (0, 1] "
+                        "ending at 1.0")
+    for name in ("epoch_steps", "refresh_every"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ResizeError(f"{f}.{name}: must be an integer >= 0, got {v!r}")
+    if not (isinstance(self.fill_value, (int, float)) and math.isfinite(self.fill_value)):
+      raise ResizeError(f"{f}.fill_value: must be a finite number, got {self.fill_value!r}")
+    return self
+
+  def keep_ratios(self, step: int, num_devices: int, epoch_steps: int) -> tuple[float, ...]:
+    """Keep ratio of every tensor device in 0-based `step` (1.0 = not resized)."""
+    if self.keep:
+      return tuple(float(r) for r in self.keep)
+    if self.straggler == "rotate":
+      stragglers = {(step // max(epoch_steps, 1)) % num_devices}
+    else:
+      stragglers = set(self.straggler or ())
+    return tuple(float(self.straggler_keep) if d in stragglers else 1.0
+                 for d in range(num_devices))
+
+
+def kept_count(keep: float, active: int) -> int:
+  """Units (or features) kept out of `active` at ratio `keep`: ceil, at least 1 if any."""
+  if keep >= 1.0 or active == 0:
+    return active
+  return max(1, min(active, math.ceil(keep * active - 1e-9)))
+
+
+def fraction_index(keep: float, fractions: tuple[float, ...]) -> int:
+  """Index of the smallest compiled fraction >= keep."""
+  return next(i for i, f in enumerate(fractions) if f >= keep - 1e-9)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("order", "kept", "skip", "feats", "feats_kept", "feat_skip", "frac"),
+    meta_fields=("mode", "imputation", "fill_value", "freeze", "fractions"))
+@dataclasses.dataclass(frozen=True)
+class Resize:
+  """What every tensor device skips in every layer this step (global arrays, split over tensor).
+
+  Per unit kind (N devices, L layers, C slots, D = d_model):
+    order: int32 [N, L, C] local slots, kept ones first (ascending), then the skipped, then the
+      rest; the identity when nothing is skipped.
+    kept: int32 [N, L] slots computed (units mode) or summed by the row GEMM (contraction).
+    skip: bool [N, L, C] owned-and-active slots skipped this step.
+    feats: int32 [N, L, D] contraction mode: input features, kept first ({} in units mode).
+    feats_kept: int32 [N, L]; feat_skip: bool [N, L, D] (contraction mode, else {}).
+    frac: int32 [N, L] contraction mode: index into `fractions` ({} in units mode).
+  Static: mode, imputation, fill_value, freeze, fractions.
+  """
+
+  order: dict
+  kept: dict
+  skip: dict
+  feats: dict
+  feats_kept: dict
+  feat_skip: dict
+  frac: dict
+  mode: str = "units"
+  imputation: str = "zero"
+  fill_value: float = 1e-18
+  freeze: bool = True
+  fractions: tuple = DEFAULT_FRACTIONS
+
+  @property
+  def rescale(self) -> bool:
+    return self.imputation == "rescale"
+
+  def layer(self, i: int) -> "Resize":
+    """Layer i's arrays ([N, ...]; [1, ...] inside shard_map)."""
+    return jax.tree.map(lambda a: a[:, i], self)
+
+
+# --- parameters touched by resizing -------------------------------------------------------------
+
+def block_index(path) -> int | None:
+  """The block a parameter belongs to: the integer key after "blocks" in its tree path."""
+  keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+  for a, b in zip(keys, keys[1:]):
+    if a == "blocks":
+      return int(b)
+  return None
+
+
+def role(axes) -> str | None:
+  """"col" (column-parallel weight [d_model, units]), "bias", "row" ([units, d_model]) or None."""
+  unit = axes.unit()
+  if unit is None:
+    return None
+  axis, _ = unit
+  if len(axes.names) == 1:
+    return "bias"
+  return "col" if axis == 1 else "row"
+
+
+def skip_masks(resize: Resize, active: dict, axes, unit_sizes: dict):
+  """Per parameter, bool (padded, global shape or broadcastable): entries skipped this step.
+
+  Args:
+    resize: the step's `Resize` (global arrays).
+    active: {kind: int32 [N]} computed slots per device (the plan's).
+    axes: the `sharding.Axes` tree of the parameters.
+    unit_sizes: {kind: entries per unit}.
+
+  Returns:
+    A tree like the parameters with a bool array (a scalar False where nothing is skipped).
+  """
+  never = jnp.zeros((), bool)
+  def one(path, a):
+    r = role(a)
+    layer = block_index(path)
+    if r is None or layer is None:
+      return never
+    _, kind = a.unit()
+    us = unit_sizes[kind]
+    units = jnp.repeat(resize.skip[kind][:, layer].reshape(-1), us)          # [N*C*us]
+    if resize.mode == "units":
+      return units[:, None] if r == "row" else units                        # bias/col: last axis
+    if r == "row":
+      return units[:, None]
+    if r == "bias":
+      return never
+    n, c = resize.skip[kind].shape[0], resize.skip[kind].shape[2]
+    owned = jnp.arange(c)[None, :] < active[kind][:, None]                  # [N, C]
+    feat = resize.feat_skip[kind][:, layer]                                 # [N, D]
+    mask = feat.T[:, :, None] & jnp.repeat(owned, us, axis=1)[None]          # [D, N, C*us]
+    return mask.reshape(mask.shape[0], n * c * us)
+  return jax.tree_util.tree_map_with_path(one, axes)
+
+
+def _where(masks, a, b):
+  """a where masked else b, leaf by leaf."""
+  return jax.tree.map(jnp.where, masks, a, b)
+
+
+def impute_gradients(resize: Resize, masks, grads):
+  """The "fill" imputation: `fill_value` in the skipped weight-gradient slots."""
+  if resize.imputation != "fill":
+    return grads
+  fill = jax.tree.map(lambda g: jnp.full_like(g, resize.fill_value), grads)
+  return _where(masks, fill, grads)
+
+
+def freeze(resize: Resize, masks, new, old):
+  """`new` with the skipped entries taken from `old` (for params and param-shaped moments)."""
+  return _where(masks, old, new) if resize.freeze else new
