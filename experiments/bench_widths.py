@@ -9,19 +9,14 @@ switch and the rematerialized branches.
   python experiments/bench_widths.py --out_dir=results/bench_widths
 """
 
-import time
-
 from absl import app, flags
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
+from semijax import blockbench
 from semijax import layout as layout_lib
 from semijax import mesh as mesh_lib
 from semijax import report
-from semijax import sharding
 from semijax import tp
 from semijax.models import layers
 
@@ -35,37 +30,15 @@ _WIDTHS = flags.DEFINE_integer("num_widths", 4, "Compiled bucket widths per kind
 _REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per width (median reported).")
 
 
-def block_step(mesh, block):
-  """A jitted forward+backward of `block` on a 1x1 mesh; returns (fn, params, x)."""
-  graphdef, state = nnx.split(block)
-  axes = sharding.axes_tree(state)
-  params = jax.device_put(nnx.to_pure_dict(state))
-  def loss(p, x, plan):
-    def local(p, x, plan):
-      return jnp.sum(nnx.merge(graphdef, p)(x, plan) ** 2)
-    in_specs = (sharding.specs(axes), P(), tp.plan_specs(plan))
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())(p, x, plan)
-  x = jax.random.normal(jax.random.key(1), (_BATCH.value, _SEQ.value, _D.value))
-  return jax.jit(jax.value_and_grad(loss)), params, x
-
-
-def median_ms(fn, *args):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(_REPEATS.value):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
-
-
 def main(argv):
   del argv
   mesh = mesh_lib.make_mesh(1, 1)
   block = layers.Block(_D.value, _HEADS.value, _FF.value, causal=True, rngs=nnx.Rngs(0))
   lay = layout_lib.Layout.for_model(d_model=_D.value, num_heads=_HEADS.value, d_ff=_FF.value,
                                     num_devices=1, num_widths=_WIDTHS.value)
-  fn, params, x = block_step(mesh, block)
+  x = jax.random.normal(jax.random.key(1), (_BATCH.value, _SEQ.value, _D.value))
+  fn, params = blockbench.block_step(mesh, block, x)
+  median_ms = lambda *a: blockbench.median_ms(*a, repeats=_REPEATS.value)
   rows, results = [], []
   for i in range(len(lay.mlp.widths)):
     w_mlp = lay.mlp.widths[i]

@@ -131,13 +131,15 @@ class Cut:
   the row GEMM over slots `units[:kept]` only; output shapes are unchanged.
 
   Attributes:
-    units: units mode: int32 [C] a permutation of the local slots, kept ones first; contraction
-      mode: int32 [rw] slot indices, kept first (rw = the static row compute width).
+    units: int32 [C] a permutation of the local slots, kept ones first.
     kept: int32 scalar, how many of `units` are computed.
-    feats: int32 [fw] feature indices of d_model, kept first, or None (units mode).
+    feats: int32 [D] a permutation of the d_model input features, kept first, or None (units
+      mode).
     feats_kept: int32 scalar.
     col_scale, row_scale: scalars multiplying the column / row GEMM results (1.0, or full/kept
       for the `rescale` imputation).
+    row_width, feat_width: static compute widths of the row GEMM's slots and of the features
+      (contraction mode).
   """
 
   units: jax.Array
@@ -146,6 +148,8 @@ class Cut:
   feats_kept: jax.Array | None = None
   col_scale: jax.Array | float = 1.0
   row_scale: jax.Array | float = 1.0
+  row_width: int = 0
+  feat_width: int = 0
 
 
 def _entries(idx, unit_size):
@@ -155,28 +159,54 @@ def _entries(idx, unit_size):
   return (idx[:, None] * unit_size + jnp.arange(unit_size)).reshape(-1)
 
 
-def _take_units(w, idx, axis, unit_size=1):
-  """Gathers units `idx` (local slots, clipped into range) along `axis`."""
-  return jnp.take(w, _entries(idx, unit_size), axis=axis, mode="clip")
+def permuted_take(a, perm, k, axis, unit_size=1):
+  """a's units `perm[:k]` along `axis`; `perm` is a permutation of all units on that axis.
+
+  The same values as `jnp.take`, but the gradient is *gathered* back through the inverse
+  permutation instead of scattered (a scatter is slow on CPUs, and the activations of the
+  contraction mode go through here).
+  """
+  # Inside shard_map `a` may be replicated where `perm` varies over devices: adding a zero that
+  # varies like `perm` makes it varying first, so autodiff (not the custom rule) sums its gradient.
+  a = a + (perm[0] * 0).astype(a.dtype)
+  return _permuted_take(a, perm, k, axis, unit_size)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _permuted_take(a, perm, k, axis, unit_size):
+  return jnp.take(a, _entries(perm[:k], unit_size), axis=axis)
+
+
+def _permuted_fwd(a, perm, k, axis, unit_size):
+  return _permuted_take(a, perm, k, axis, unit_size), (perm, a.shape[axis])
+
+
+def _permuted_bwd(k, axis, unit_size, res, g):
+  perm, full = res
+  pad = [(0, 0)] * g.ndim
+  pad[axis] = (0, full - g.shape[axis])
+  inv = _entries(jnp.argsort(perm), unit_size)
+  return jnp.take(jnp.pad(g, pad), inv, axis=axis), None
+
+
+_permuted_take.defvjp(_permuted_fwd, _permuted_bwd)
 
 
 def _column(x, w, b, width, unit_size, cut):
   """Column-parallel GEMM of x [..., d_model] with the local block w [d_model, C*unit_size].
 
-  Returns [..., width*unit_size]: the first `width` slots, or the slots `cut.units` in units
-  mode; in contraction mode only the features `cut.feats[:cut.feats_kept]` are summed over.
+  Returns [..., width*unit_size]: the first `width` slots, or the slots `cut.units[:width]` in
+  units mode; in contraction mode only the features `cut.feats[:cut.feats_kept]` are summed.
   """
   n = width * unit_size
   if cut is None:
     return x @ w[:, :n] + b[:n]
   if cut.feats is None:
-    units = cut.units[:width]
-    return x @ _take_units(w, units, 1, unit_size) + _take_units(b, units, 0, unit_size)
-  f = cut.feats
-  xf = jnp.take(x, f, axis=-1) * unit_mask(f.shape[0], cut.feats_kept, x.dtype)
-  return (xf @ jnp.take(w[:, :n], f, axis=0)) * cut.col_scale + b[:n]
+    take = lambda a, axis: permuted_take(a, cut.units, width, axis, unit_size)
+    return x @ take(w, 1) + take(b, 0)
+  fw = cut.feat_width
+  xf = permuted_take(x, cut.feats, fw, x.ndim - 1) * unit_mask(fw, cut.feats_kept, x.dtype)
+  return (xf @ permuted_take(w[:, :n], cut.feats, fw, 0)) * cut.col_scale + b[:n]
 
 
 def _row(h, w, width, unit_size, cut):
@@ -189,10 +219,13 @@ def _row(h, w, width, unit_size, cut):
   if cut is None:
     return flat(h) @ w[:width * unit_size]
   if cut.feats is None:   # units mode: h already holds the selected units
-    return (flat(h) @ _take_units(w, cut.units[:width], 0, unit_size)) * cut.row_scale
-  units = jnp.minimum(cut.units, width - 1)   # kept slots are < active <= width; the rest masked
-  hk = jnp.take(h, units, axis=-2) * unit_mask(units.shape[0], cut.kept, h.dtype)[:, None]
-  return (flat(hk) @ _take_units(w, units, 0, unit_size)) * cut.row_scale
+    return (flat(h) @ permuted_take(w, cut.units, width, 0, unit_size)) * cut.row_scale
+  rw, capacity = cut.row_width, cut.units.shape[0]
+  pad = [(0, 0)] * h.ndim
+  pad[-2] = (0, capacity - width)
+  hk = permuted_take(jnp.pad(h, pad), cut.units, rw, h.ndim - 2)
+  hk = hk * unit_mask(rw, cut.kept, h.dtype)[:, None]
+  return (flat(hk) @ permuted_take(w, cut.units, rw, 0, unit_size)) * cut.row_scale
 
 
 def _computed(width, active, cut):
@@ -281,8 +314,9 @@ def _resized(plan: Plan, kind: str, fn: Callable, x, weights, active):
       return fn(width, x, *weights, active)
     if not contraction:
       return fn(width, x, *weights, active, Cut(order, kept, row_scale=scale(active, kept)))
-    cut = Cut(order[:math.ceil(f * width)], kept, feats[:math.ceil(f * d_model)], feats_kept,
-              col_scale=scale(d_model, feats_kept), row_scale=scale(active, kept))
+    cut = Cut(order, kept, feats, feats_kept, col_scale=scale(d_model, feats_kept),
+              row_scale=scale(active, kept), row_width=math.ceil(f * width),
+              feat_width=math.ceil(f * d_model))
     return fn(width, x, *weights, active, cut)
 
   variants = tuple((True, w, 1.0) for w in widths) + tuple((False, w, f) for w, f in cuts)
