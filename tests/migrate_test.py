@@ -221,7 +221,7 @@ def unit_codes(layout, hd=2, d=3):
           "ln": np.zeros(d, np.float32), "count": np.int32(0)}
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, database=None)
 @given(seed_a=st.integers(0, 2**31 - 1), seed_b=st.integers(0, 2**31 - 1),
        chunk=st.sampled_from([None, "tight"]))
 def test_property_ownership_padding_and_round_trip(small, seed_a, seed_b, chunk):
