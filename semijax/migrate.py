@@ -2,27 +2,30 @@
 
 A migration takes a padded state from layout A to layout B (same units, new owners, counts or
 slot order). Only units whose owner changes travel; units that stay may change slot (compaction)
-with a local gather. Per unit kind, the move is
+with a local gather. Per unit kind and leaf, on every tensor device d:
 
-  1. a local gather of the units device d sends to device t into chunk t of a send buffer
-     [N*K, F] (K = `chunk` slots per device pair, F = the unit's entries over all leaves);
-  2. one `all_to_all` over the `tensor` axis (chunk t goes to device t);
-  3. a local gather of every new slot from the pool [old local slots (C_A) ; received (N*K)]
-     (out-of-range index = padding, filled with zeros).
+  1. gather the units d sends to device t into chunk t of a small send buffer [N*K, ...]
+     (K = `chunk` slots per device pair);
+  2. exchange the buffers with one `all_to_all` over `tensor` (chunk t goes to device t); the
+     buffers of all leaves of a kind (weights, biases and optimizer moments of every layer) are
+     concatenated first, so there is one all_to_all per kind, and none for a kind with K = 0;
+  3. gather the staying units into their new slots (the rest is zero) and scatter the received
+     units into theirs.
 
-Every leaf of a kind (weights, biases and optimizer moments of all layers) is concatenated into
-one buffer, so a migration is one all_to_all per kind (two in all). Exact copies only: A -> B -> A
-returns the padded state bit for bit, and padded slots are zero afterwards.
+Exact copies only: A -> B -> A returns the padded state bit for bit, and padding stays zero. Local
+work is one gather over each unit leaf (compaction) plus O(N*K) rows; communication is the
+all_to_all.
 
 What compiles: the index arrays (`MovePlan`) are data of fixed shape, sharded over `tensor`, so
 one executable serves every A -> B pair with the same capacities (C_A, C_B) and chunk K per kind.
 `chunk=None` takes K = min(C_A, C_B), which fits any migration, so a capacity bucket needs one
 executable; its all_to_all then carries N*(N-1)*K slots per kind whatever moves (as much as an
-all-gather of the padded state). A smaller K (`chunk="tight"`: the smallest power of two that
-fits this migration's busiest device pair) sends less and compiles once per distinct K.
+all-gather of the padded state). `chunk="tight"` takes the smallest power of two that fits this
+migration's busiest device pair (0 for a kind that moves nothing): it sends far less and compiles
+once per distinct K (at most log2(C) + 2 per kind, which can be compiled ahead of time).
 
-A bucket switch (C_B != C_A) is the same program at other shapes: one compile per (C_A, C_B)
-pair, and it moves only the units that change owner (no all-gather of the logical arrays).
+A bucket switch (C_B != C_A) is the same program at other shapes: one compile per (C_A, C_B, K),
+and it moves only the units that change owner (no all-gather of the logical arrays).
 
 `ragged_all_to_all` would send exactly the moved units, but XLA:CPU does not implement it, so the
 fixed-chunk all_to_all is the portable path built and tested here.
@@ -60,8 +63,10 @@ class KindMoves:
     chunk: K, slots per (source, destination) device pair in the all_to_all.
     send: int32 [N, N*K]: row d, entry t*K + k is device d's local slot (under A) of the k-th
       unit it sends to device t; C_A means nothing (a zero-filled slot).
-    gather: int32 [N, C_B]: for each slot of device d under B, its index in the pool
-      [old local slots (C_A) ; received (N*K)]; C_A + N*K means padding (zero).
+    keep: int32 [N, C_B]: for each slot of device d under B, the local slot under A of the unit
+      that stays there; C_A for a received unit or padding (zero).
+    place: int32 [N, N*K]: the slot under B of the unit received at entry s*K + k (from device
+      s); C_B means nothing (dropped).
     pairs: int32 [N, N]: units moved from device d to device t (zero diagonal).
   """
 
@@ -70,7 +75,8 @@ class KindMoves:
   capacity_to: int
   chunk: int
   send: np.ndarray
-  gather: np.ndarray
+  keep: np.ndarray
+  place: np.ndarray
   pairs: np.ndarray
 
   @property
@@ -106,7 +112,7 @@ class Moves:
 
 
 def _tight_chunk(need: int, limit: int) -> int:
-  return min(limit, 1 << max(0, int(need - 1).bit_length())) if need else 1
+  return min(limit, 1 << max(0, int(need - 1).bit_length())) if need else 0
 
 
 def _kind_moves(a: layout_lib.UnitLayout, b: layout_lib.UnitLayout, chunk) -> KindMoves:
@@ -130,24 +136,26 @@ def _kind_moves(a: layout_lib.UnitLayout, b: layout_lib.UnitLayout, chunk) -> Ki
     k = _tight_chunk(int(pairs.max()), limit)
   else:
     k = int(chunk)
-    if k < 1:
-      raise LayoutError(f"{f}: must be >= 1, got {chunk!r}")
+    if k < 0:
+      raise LayoutError(f"{f}: must be >= 0, got {chunk!r}")
     if pairs.max() > k:
       s, t = np.unravel_index(int(np.argmax(pairs)), pairs.shape)
       raise LayoutError(f"{f}: device {s} sends {pairs[s, t]} units to device {t}, more than "
                         f"chunk {k}; use a larger chunk or chunk=None")
   send = np.full((n, n * k), a.capacity, np.int32)
-  pos = {}
+  place = np.full((n, n * k), b.capacity, np.int32)
+  slot_b = {u: slot for units in b.owned for slot, u in enumerate(units)}
   for s in range(n):
     for t in range(n):
       for i, u in enumerate(lists[s][t]):
         send[s, t * k + i] = local_a[u]
-        pos[u] = a.capacity + s * k + i
-  gather = np.full((n, b.capacity), a.capacity + n * k, np.int32)
+        place[t, s * k + i] = slot_b[u]
+  keep = np.full((n, b.capacity), a.capacity, np.int32)
   for d, units in enumerate(b.owned):
     for slot, u in enumerate(units):
-      gather[d, slot] = local_a[u] if owner_a[u] == d else pos[u]
-  return KindMoves(a.kind, a.capacity, b.capacity, k, send, gather, pairs)
+      if owner_a[u] == d:
+        keep[d, slot] = local_a[u]
+  return KindMoves(a.kind, a.capacity, b.capacity, k, send, keep, place, pairs)
 
 
 def plan(src: layout_lib.Layout, dst: layout_lib.Layout, *, chunk=None,
@@ -157,7 +165,7 @@ def plan(src: layout_lib.Layout, dst: layout_lib.Layout, *, chunk=None,
   Args:
     src, dst: layouts A and B of the same model on the same tensor devices.
     chunk: None (K = min(C_A, C_B): one executable per capacity pair), "tight" (smallest power
-      of two that fits), an int for every kind, or {kind: any of those}.
+      of two that fits, 0 if nothing moves), an int for every kind, or {kind: any of those}.
     max_capacity: optional {kind: largest compiled capacity}; B above it is refused.
 
   Raises:
@@ -232,14 +240,15 @@ def move_units(layout: layout_lib.Layout, moves: dict, *,
 # --- execution (one jitted shard_map) ---------------------------------------------------------
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("send", "gather"),
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("send", "keep", "place"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class MovePlan:
   """Device-placed index arrays of a `Moves`: {kind: int32 [N, ...]} split over `tensor`."""
 
   send: dict
-  gather: dict
+  keep: dict
+  place: dict
 
 
 def _unit_leaves(tree, axes):
@@ -251,12 +260,21 @@ def _unit_leaves(tree, axes):
   return out
 
 
-def _local_migrate(leaves, send, gather, *, units, unit_sizes, key):
+def _elements(slots, unit_size):
+  """Unit slots [K] -> entry indices [K*unit_size] along a unit axis."""
+  return (slots[:, None] * unit_size + jnp.arange(unit_size)).reshape(-1)
+
+
+def _on_axis(axis, idx):
+  return (slice(None),) * axis + (idx,)
+
+
+def _local_migrate(leaves, plan: MovePlan, *, units, unit_sizes, key):
   """Runs inside shard_map on local blocks (see module doc).
 
   Args:
     leaves: local arrays; a unit leaf has C_A*unit_size entries on its unit axis.
-    send: {kind: int32 [1, N*K]} local send slots; gather: {kind: int32 [1, C_B]}.
+    plan: local index arrays: send [1, N*K], keep [1, C_B], place [1, N*K] per kind.
     units: [(leaf index, unit axis, kind)] (static).
     key: ((kind, C_A, C_B, K), ...) (static).
 
@@ -264,29 +282,32 @@ def _local_migrate(leaves, send, gather, *, units, unit_sizes, key):
     The local leaves with C_B*unit_size entries on unit axes (other leaves unchanged).
   """
   out = list(leaves)
-  for kind, cap_from, cap_to, _ in key:
+  for kind, _, _, chunk in key:
     u = unit_sizes.get(kind)
+    members = [(i, axis) for i, axis, k in units if k == kind]
+    for i, axis in members:           # staying units into their new slots, zeros elsewhere
+      out[i] = jnp.take(leaves[i], _elements(plan.keep[kind][0], u), axis=axis, mode="fill",
+                        fill_value=0)
+    if not chunk or not members:
+      continue
     # Group the kind's leaves by dtype: one all_to_all per (kind, dtype).
     groups: dict = {}
-    for i, axis, k in units:
-      if k == kind:
-        groups.setdefault(jnp.dtype(leaves[i].dtype), []).append((i, axis))
-    for members in groups.values():
-      flats, shapes = [], []
-      for i, axis in members:
-        x = jnp.moveaxis(leaves[i], axis, 0)
-        shapes.append(x.shape[1:])
-        flats.append(x.reshape(cap_from, -1))           # [C_A, u * rest]
-      sizes = [f.shape[1] for f in flats]
-      flat = jnp.concatenate(flats, axis=1)             # [C_A, F]
-      buf = jnp.take(flat, send[kind][0], axis=0, mode="fill", fill_value=0)       # [N*K, F]
-      recv = jax.lax.all_to_all(buf, mesh_lib.TENSOR, 0, 0, tiled=True)            # [N*K, F]
-      pool = jnp.concatenate([flat, recv], axis=0)
-      new = jnp.take(pool, gather[kind][0], axis=0, mode="fill", fill_value=0)     # [C_B, F]
-      offsets = np.cumsum([0] + sizes)
-      for (i, axis), shape, lo, hi in zip(members, shapes, offsets[:-1], offsets[1:]):
-        x = new[:, lo:hi].reshape(cap_to * u, *shape)
-        out[i] = jnp.moveaxis(x, 0, axis)
+    for i, axis in members:
+      groups.setdefault(jnp.dtype(leaves[i].dtype), []).append((i, axis))
+    send = _elements(plan.send[kind][0], u)
+    place = _elements(plan.place[kind][0], u)
+    for group in groups.values():
+      parts = []
+      for i, axis in group:           # [.., N*K*u, ..] -> [N*K, u * rest]
+        x = jnp.take(leaves[i], send, axis=axis, mode="fill", fill_value=0)
+        x = jnp.moveaxis(x, axis, 0)
+        parts.append((x.shape[1:], x.reshape(x.shape[0] // u, -1)))
+      buf = jnp.concatenate([p for _, p in parts], axis=1)                  # [N*K, F]
+      recv = jax.lax.all_to_all(buf, mesh_lib.TENSOR, 0, 0, tiled=True)     # [N*K, F]
+      offsets = np.cumsum([0] + [p.shape[1] for _, p in parts])
+      for (i, axis), (shape, _), lo, hi in zip(group, parts, offsets[:-1], offsets[1:]):
+        r = jnp.moveaxis(recv[:, lo:hi].reshape(-1, *shape), 0, axis)
+        out[i] = out[i].at[_on_axis(axis, place)].set(r, mode="drop")
   return out
 
 
@@ -316,8 +337,8 @@ class Migrator:
     """The index arrays of `moves`, placed on the mesh (split over `tensor`)."""
     shard = NamedSharding(self.mesh, P(mesh_lib.TENSOR))
     put = lambda x: jax.device_put(x, shard)
-    return MovePlan({k: put(m.send) for k, m in moves.kinds.items()},
-                    {k: put(m.gather) for k, m in moves.kinds.items()})
+    return MovePlan(*({k: put(getattr(m, f)) for k, m in moves.kinds.items()}
+                      for f in ("send", "keep", "place")))
 
   def check(self, tree, axes, moves: Moves) -> None:
     """Raises LayoutError unless `tree` is a padded tree of `moves.src` on this mesh."""
@@ -348,12 +369,11 @@ class Migrator:
     plan_specs = jax.tree.map(lambda _: P(mesh_lib.TENSOR), device_plan)
     local = functools.partial(_local_migrate, units=units, unit_sizes=self.unit_sizes,
                               key=moves.key())
-    body = jax.shard_map(local, mesh=self.mesh,
-                         in_specs=(leaf_specs, plan_specs.send, plan_specs.gather),
+    body = jax.shard_map(local, mesh=self.mesh, in_specs=(leaf_specs, plan_specs),
                          out_specs=leaf_specs)
 
     def run(tree, plan):
-      return jax.tree.unflatten(treedef, body(jax.tree.leaves(tree), plan.send, plan.gather))
+      return jax.tree.unflatten(treedef, body(jax.tree.leaves(tree), plan))
 
     out_sh = jax.tree.unflatten(treedef, [NamedSharding(self.mesh, s) for s in leaf_specs])
     jitted = jax.jit(run, out_shardings=out_sh, donate_argnums=(0,) if self.donate else ())
