@@ -251,7 +251,7 @@ class MovePlan:
   place: dict
 
 
-def _unit_leaves(tree, axes):
+def _unit_leaves(axes):
   """[(index into leaves, axis, kind)] for every leaf with a unit axis."""
   out = []
   for i, a in enumerate(jax.tree.leaves(axes)):
@@ -282,6 +282,7 @@ def _local_migrate(leaves, plan: MovePlan, *, units, unit_sizes, key):
     The local leaves with C_B*unit_size entries on unit axes (other leaves unchanged).
   """
   out = list(leaves)
+  last = None
   for kind, _, _, chunk in key:
     u = unit_sizes.get(kind)
     members = [(i, axis) for i, axis, k in units if k == kind]
@@ -303,7 +304,11 @@ def _local_migrate(leaves, plan: MovePlan, *, units, unit_sizes, key):
         x = jnp.moveaxis(x, axis, 0)
         parts.append((x.shape[1:], x.reshape(x.shape[0] // u, -1)))
       buf = jnp.concatenate([p for _, p in parts], axis=1)                  # [N*K, F]
-      recv = jax.lax.all_to_all(buf, mesh_lib.TENSOR, 0, 0, tiled=True)     # [N*K, F]
+      if last is not None:
+        # Every device must enter the collectives in the same order (XLA:CPU runs independent
+        # ones in any order per device, and a rendezvous then waits forever): chain them.
+        buf, _ = jax.lax.optimization_barrier((buf, last))
+      recv = last = jax.lax.all_to_all(buf, mesh_lib.TENSOR, 0, 0, tiled=True)  # [N*K, F]
       offsets = np.cumsum([0] + [p.shape[1] for _, p in parts])
       for (i, axis), (shape, _), lo, hi in zip(group, parts, offsets[:-1], offsets[1:]):
         r = jnp.moveaxis(recv[:, lo:hi].reshape(-1, *shape), 0, axis)
@@ -316,7 +321,8 @@ def _signature(tree) -> tuple:
 
 
 class Migrator:
-  """Executes `Moves` on padded trees of one mesh; compiles once per (moves key, tree shapes).
+  """Executes `Moves` on padded trees of one mesh: one jitted shard_map program (one all_to_all
+  per unit kind), compiled once per (moves key, tree shapes).
 
   Args:
     mesh: the (data, tensor) mesh the padded trees live on.
@@ -348,7 +354,7 @@ class Migrator:
     if jax.tree.structure(axes) != jax.tree.structure(tree):
       raise LayoutError("migration.axes: the axes tree does not match the tree's structure")
     paths = jax.tree_util.tree_leaves_with_path(tree)
-    for i, axis, kind in _unit_leaves(tree, axes):
+    for i, axis, kind in _unit_leaves(axes):
       path, x = paths[i]
       if kind not in self.unit_sizes:
         raise LayoutError(f"migration.unit_sizes: no unit size for kind {kind!r}")
@@ -363,7 +369,7 @@ class Migrator:
     fn = self._compiled.get(key)
     if fn is not None:
       return fn
-    units = _unit_leaves(tree, axes)
+    units = _unit_leaves(axes)
     leaf_specs = [a.spec() for a in jax.tree.leaves(axes)]
     treedef = jax.tree.structure(tree)
     plan_specs = jax.tree.map(lambda _: P(mesh_lib.TENSOR), device_plan)
@@ -435,8 +441,9 @@ def payload_bytes(tree, axes, moves: Moves, unit_sizes: dict) -> dict:
   between distinct devices} for a padded tree of layout `moves.src` (summed over all leaves)."""
   per_unit = {k: 0 for k in moves.kinds}
   n = moves.src.num_devices
-  for i, axis, kind in _unit_leaves(tree, axes):
-    x = jax.tree.leaves(tree)[i]
+  leaves = jax.tree.leaves(tree)
+  for i, _, kind in _unit_leaves(axes):
+    x = leaves[i]
     per_unit[kind] += x.size // (n * moves.kinds[kind].capacity_from) * x.dtype.itemsize
   moved = sum(per_unit[k] * m.moved for k, m in moves.kinds.items())
   wire = sum(per_unit[k] * m.wire_slots for k, m in moves.kinds.items())

@@ -222,7 +222,8 @@ def helped_partial(plan: OffloadPlan, fn: Callable, x, weights: Sequence, units:
   """The partial output of the units other devices offloaded to this one (zero if none).
 
   Args:
-    fn: a partial block like `tp.mlp_partial`: fn(width, x, *weights, active).
+    fn: a partial block like `tp.mlp_partial`: fn(width, x, *weights, active), whose output has
+      x's shape (a column->row block maps d_model to d_model).
     x: the block input, replicated over `tensor`.
     weights: local padded blocks; units: per weight, static (unit axis, unit size).
   """
