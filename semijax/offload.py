@@ -15,8 +15,10 @@ Everything here runs *inside* `jax.shard_map` on local blocks (axis `mesh.TENSOR
     the offloaded units' whole column->row path from the replicated block input, so only
     weights travel. `mlp_block` and `attention_block` name the unit axes of each weight.
 
-What the straggler still computes: its leading `keep` slots (at the compiled bucket width >= keep,
-via `tp.at_width`); the offloaded slots are those after `keep` (so `keep` shrinks the width).
+What the straggler still computes: its leading `keep` slots; the offloaded slots are those after
+`keep`. `row_parallel` runs them at the compiled bucket width >= keep (`tp.at_width`), so offload
+shrinks the straggler's GEMMs; the single-GEMM functions compute at capacity and mask (they are
+the exactness reference for both GEMM kinds, not the fast path).
 
 Cost per offloaded block and step (vs migration, which moves the units once): the weights of the
 offloaded units go out in the forward pass and their gradients come back in the backward pass
