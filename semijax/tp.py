@@ -341,6 +341,10 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights):
   """
   active = plan.active[kind][0]
   widths = plan.widths_of(kind)
+  # Make the replicated x varying over `tensor` (adding a zero that varies like `active`) once,
+  # outside the per-device branches: then the all-reduce of its gradient is not inside every
+  # branch, where a branch without one would leave the other devices waiting.
+  x = x + (active * 0).astype(x.dtype)
   if plan.resize is None:
     y = at_width(active, widths, fn, x, *weights, active)
     executed = jnp.asarray(widths, jnp.float32)[bucket_index(active, widths)]
