@@ -178,13 +178,12 @@ def _permuted_take(a, perm, k, axis, unit_size):
 
 
 def _permuted_fwd(a, perm, k, axis, unit_size):
-  return _permuted_take(a, perm, k, axis, unit_size), (perm, a.shape[axis])
+  return _permuted_take(a, perm, k, axis, unit_size), perm
 
 
-def _permuted_bwd(k, axis, unit_size, res, g):
-  perm, full = res
+def _permuted_bwd(k, axis, unit_size, perm, g):
   pad = [(0, 0)] * g.ndim
-  pad[axis] = (0, full - g.shape[axis])
+  pad[axis] = (0, perm.shape[0] * unit_size - g.shape[axis])
   inv = _entries(jnp.argsort(perm), unit_size)
   return jnp.take(jnp.pad(g, pad), inv, axis=axis), None
 
