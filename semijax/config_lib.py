@@ -28,6 +28,7 @@ import jax
 import ml_collections
 import optax
 
+from semijax import controller as controller_lib
 from semijax import layout as layout_lib
 from semijax import models
 from semijax import resize as resize_lib
@@ -62,6 +63,29 @@ def base_config() -> ml_collections.ConfigDict:
   c.hetero = ml_collections.ConfigDict()
   c.hetero.slowdown = ()           # Per tensor device slowdown factors; () = no emulation.
   c.hetero.device_gflops = 2.0     # Emulated FLOP rate of a nominal device (GFLOP/s).
+  c.hetero.rotate_every = 0        # Steps between shifts of the slowdown profile by one device
+                                   # ((8,1,...,1) rotating = the authors' dynamic straggler); 0 = static.
+
+  # Balancing (semijax.balance, semijax.controller): who does how much work, online.
+  c.balance = ml_collections.ConfigDict()
+  c.balance.policy = "static"      # even | static | resize | migrate | offload | semi
+  c.balance.measure = "auto"       # auto (emulated if hetero.slowdown is set, else probe) | probe | emulated
+  c.balance.capacity_factor = 2.0  # dynamic policies: bucket capacity = factor x the even share
+  c.balance.num_widths = 0         # compute widths in that bucket; 0 = layout.num_widths
+  c.balance.probe_every = 1        # steps between speed probes
+  c.balance.probe_size = 128       # probe: [size, size] matmuls ...
+  c.balance.probe_repeats = 4      # ... this many in a row
+  c.balance.alpha = 0.3            # smoothing weight of a new measurement
+  c.balance.change_threshold = 0.2 # a speed change by this factor is a candidate new regime ...
+  c.balance.confirm = 3            # ... once it lasts this many samples (shorter: a burst)
+  c.balance.hysteresis = 0.05      # a change must be predicted this much faster ...
+  c.balance.patience = 2           # ... in this many decisions in a row
+  c.balance.min_dwell_steps = 5    # steps between migrations at least
+  c.balance.slow_threshold = 0.85  # relative speed below which a device counts as slow
+  c.balance.resize_budget = 0.5    # semi: the largest share of a device's units it may skip
+  c.balance.resize_keep = 0.5      # resize policy: keep ratio of a slow device (the authors')
+  c.balance.resize_penalty = 0.05  # accuracy cost of resizing, as a share of step time
+  c.balance.fixed_fraction = 0.1   # cost model prior: share of a step that no split changes
 
   # ZERO-resizing (semijax.resize): who computes only part of its units, and how.
   c.resize = ml_collections.ConfigDict()
@@ -133,7 +157,9 @@ class Parsed:
 
   layout: layout_lib.Layout
   slowdown: tuple[float, ...] | None
-  resize: resize_lib.ResizeSpec | None = None   # None: no resizing configured
+  resize: resize_lib.ResizeSpec | None = None   # None: no resizing schedule configured
+  resize_how: resize_lib.ResizeSpec = resize_lib.ResizeSpec()   # mode, priority, ... for any resizing
+  balance: controller_lib.Settings = controller_lib.Settings(policy="static")
 
 
 def _check_keys(node, schema: dict, prefix: str) -> None:
@@ -231,7 +257,64 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   if not 0 < config.data.val_fraction < 1:
     raise ConfigError(f"config.data.val_fraction: must be in (0, 1), got "
                       f"{config.data.val_fraction}")
-  return Parsed(layout, slowdown, parse_resize(config.resize, tensor))
+  if not (isinstance(config.hetero.rotate_every, int) and config.hetero.rotate_every >= 0):
+    raise ConfigError(f"config.hetero.rotate_every: must be an integer >= 0, got "
+                      f"{config.hetero.rotate_every!r}")
+  resize = parse_resize(config.resize, tensor)
+  resize_how = _resize_spec(config.resize)
+  balance = parse_balance(config, slowdown, resize)
+  return Parsed(layout, slowdown, resize, resize_how, balance)
+
+
+def parse_balance(config, slowdown, resize) -> controller_lib.Settings:
+  """`config.balance` -> validated controller `Settings` (ConfigError naming the field)."""
+  b = config.balance
+  settings = controller_lib.Settings(
+      policy=b.policy, hysteresis=b.hysteresis, patience=b.patience,
+      min_dwell_steps=b.min_dwell_steps, slow_threshold=b.slow_threshold,
+      resize_budget=b.resize_budget, resize_keep=b.resize_keep, resize_penalty=b.resize_penalty)
+  try:
+    settings.validate()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if b.measure not in ("auto", "probe", "emulated"):
+    raise ConfigError(f"config.balance.measure: {b.measure!r} is not 'auto', 'probe' or "
+                      "'emulated'")
+  if b.measure == "emulated" and slowdown is None:
+    raise ConfigError("config.balance.measure: 'emulated' needs config.hetero.slowdown")
+  if not b.capacity_factor >= 1:
+    raise ConfigError(f"config.balance.capacity_factor: must be >= 1, got {b.capacity_factor!r}")
+  for name in ("probe_every", "probe_size", "probe_repeats", "confirm"):
+    _positive_int(config, f"balance.{name}")
+  _positive_int(config, "balance.num_widths", minimum=0)
+  for name in ("alpha", "change_threshold"):
+    if not 0 < b[name] <= 1:
+      raise ConfigError(f"config.balance.{name}: must be in (0, 1], got {b[name]!r}")
+  if not 0 <= b.fixed_fraction < 1:
+    raise ConfigError(f"config.balance.fixed_fraction: must be in [0, 1), got "
+                      f"{b.fixed_fraction!r}")
+  if b.policy == "even":
+    for kind in ("mlp", "heads"):
+      if parse_counts(config.layout[kind], f"config.layout.{kind}") != "even":
+        raise ConfigError(f"config.layout.{kind}: balance.policy 'even' runs the even split; "
+                          f"got {config.layout[kind]!r} (use policy 'static' for a fixed split)")
+  if resize is not None and b.policy != "static":
+    raise ConfigError(f"config.resize.keep / config.resize.straggler: a fixed resize schedule "
+                      f"runs with balance.policy 'static' only, not {b.policy!r} (the "
+                      "controller decides who is resized)")
+  return settings
+
+
+def _resize_spec(r) -> resize_lib.ResizeSpec:
+  """How to resize (mode, imputation, priority, ...), whoever decides whom."""
+  spec = resize_lib.ResizeSpec(
+      mode=r.mode, imputation=r.imputation, priority=r.priority, freeze=bool(r.freeze),
+      fill_value=r.fill_value, epoch_steps=r.epoch_steps, refresh_every=r.refresh_every,
+      fractions=tuple(r.fractions))
+  try:
+    return spec.validate(1)
+  except resize_lib.ResizeError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _parse_devices(value):

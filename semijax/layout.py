@@ -54,7 +54,8 @@ def even_counts(num_units: int, num_devices: int) -> tuple[int, ...]:
   return tuple(base + (d < rem) for d in range(num_devices))
 
 
-def proportional_counts(num_units: int, speeds: Sequence[float], minimum: int = 1) -> tuple[int, ...]:
+def proportional_counts(num_units: int, speeds: Sequence[float], minimum: int = 1,
+                        maximum: int | None = None) -> tuple[int, ...]:
   """Splits `num_units` by speed so the slowest finisher is as fast as possible.
 
   Every device starts with `minimum` units; each further unit goes to the device that would
@@ -66,6 +67,7 @@ def proportional_counts(num_units: int, speeds: Sequence[float], minimum: int = 
     num_units: U, the number of logical units to split.
     speeds: one relative speed per device (e.g. 1 / slowdown).
     minimum: the fewest units any device gets.
+    maximum: optional most units any device gets (e.g. the capacity of a compiled bucket).
 
   Returns:
     Per-device counts that sum to `num_units`.
@@ -76,13 +78,17 @@ def proportional_counts(num_units: int, speeds: Sequence[float], minimum: int = 
   n = len(speeds)
   if minimum * n > num_units:
     raise LayoutError(f"cannot give {n} devices at least {minimum} of {num_units} units each")
+  if maximum is not None and maximum * n < num_units:
+    raise LayoutError(f"cannot split {num_units} units over {n} devices with at most {maximum} "
+                      "each")
   counts = [minimum] * n
   heap = [((minimum + 1) / s, d) for d, s in enumerate(speeds)]
   heapq.heapify(heap)
   for _ in range(num_units - minimum * n):
     _, d = heapq.heappop(heap)
     counts[d] += 1
-    heapq.heappush(heap, ((counts[d] + 1) / speeds[d], d))
+    if maximum is None or counts[d] < maximum:
+      heapq.heappush(heap, ((counts[d] + 1) / speeds[d], d))
   return tuple(counts)
 
 

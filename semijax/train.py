@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from semijax import balance as balance_lib
 from semijax import checkpoint as checkpoint_lib
 from semijax import config_lib
 from semijax import data as data_lib
@@ -29,7 +30,6 @@ from semijax import hetero
 from semijax import mesh as mesh_lib
 from semijax import metrics as metrics_lib
 from semijax import models
-from semijax import priority as priority_lib
 
 
 def build_engine(config, parsed: config_lib.Parsed) -> engine_lib.Engine:
@@ -45,43 +45,6 @@ def build_engine(config, parsed: config_lib.Parsed) -> engine_lib.Engine:
     unit_ms = hetero.unit_ms(flops, tokens, config.hetero.device_gflops)
   return engine_lib.Engine(model_fn, loss_terms, mesh, config_lib.optimizer(config),
                            unit_ms=unit_ms)
-
-
-class ResizeDriver:
-  """Chooses, before every step, the plan of a run with ZERO-resizing (config.resize).
-
-  Keep ratios come from `ResizeSpec.keep_ratios`; priority scores are refreshed every
-  `refresh_every` steps from the logical parameters; a new plan is built only when the keep
-  ratios or the scores change (the compiled step is reused: the plan is data).
-  """
-
-  def __init__(self, spec, engine, layout, slowdown, config, steps_per_epoch: int):
-    self.spec, self.engine, self.layout, self.slowdown = spec, engine, layout, slowdown
-    self.epoch_steps = spec.epoch_steps or steps_per_epoch
-    self.refresh_every = spec.refresh_every or self.epoch_steps
-    m = config.model
-    self.priority = priority_lib.Priority(
-        spec, num_layers=m.num_layers, d_model=m.d_model, num_units=engine.num_units,
-        unit_sizes=engine.unit_sizes, num_devices=layout.num_devices, seed=config.seed)
-    self._keep = None
-    self._plan = None
-    self._step = None
-
-  def plan(self, step: int, state) -> tuple:
-    """(plan, keep ratios) for 0-based `step`; `state` is the padded train state before it."""
-    keep = self.spec.keep_ratios(step, self.layout.num_devices, self.epoch_steps)
-    if step == self._step:
-      return self._plan, keep
-    self._step = step
-    refresh = step % self.refresh_every == 0
-    if refresh:
-      params = jax.device_get(self.engine.to_logical(state, self.layout).params)
-      self.priority.refresh(params, self.engine.axes, self.layout)
-    if refresh or keep != self._keep or self._plan is None:
-      self._keep = keep
-      self._plan = self.engine.plan(self.layout, self.slowdown,
-                                    self.priority.select(self.layout, keep))
-    return self._plan, keep
 
 
 def _restore_or_init(engine, ckpt, config, layout):
@@ -102,10 +65,9 @@ def _restore_or_init(engine, ckpt, config, layout):
 
 def _evaluate(engine, params, batches, plan) -> dict:
   totals = None
-  for b in batches:
-    terms = engine.eval_terms(params, b, plan)
+  for b in batches:    # summed on the host: adding device scalars would compile on the way
+    terms = jax.device_get(engine.eval_terms(params, b, plan))
     totals = terms if totals is None else jax.tree.map(lambda a, c: a + c, totals, terms)
-  totals = jax.device_get(totals)
   return {"val/loss": float(totals["loss_sum"] / totals["count"]),
           "val/accuracy": float(totals["correct"] / totals["count"])}
 
@@ -124,42 +86,41 @@ def train_and_evaluate(config, workdir: str) -> dict:
   parsed = config_lib.validate(config, jax.device_count(), jax.process_count())
   dataset = data_lib.build(config, jax.process_index(), jax.process_count())
   engine = build_engine(config, parsed)
-  layout = parsed.layout
+  layout = balance_lib.Balancer.initial_layout(config, parsed)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                      keep=config.keep_checkpoints)
   state, start = _restore_or_init(engine, ckpt, config, layout)
   writer = metrics_lib.MetricWriter(workdir, resume_step=start)
   writer.write_config(config)
 
-  plan = engine.plan(layout, parsed.slowdown)
-  resizer = None
-  if parsed.resize is not None:
-    resizer = ResizeDriver(parsed.resize, engine, layout, parsed.slowdown, config,
-                           dataset.steps_per_epoch)
-    if start and (saved := ckpt.restore_extra(start)) is not None:
-      resizer.priority.load_state_dict(saved["priority"])
-    plan, _ = resizer.plan(start, state)
+  # The schedule in one program, before warm-up (calling it per step would compile on the way).
+  learning_rates = np.asarray(jax.jit(jax.vmap(config_lib.learning_rate_schedule(config)))(
+      np.arange(config.steps)))
+  balancer = balance_lib.Balancer(config, parsed, engine, layout, workdir,
+                                  dataset.steps_per_epoch)
+  if start and balancer.priority is not None and (saved := ckpt.restore_extra(start)) is not None:
+    balancer.priority.load_state_dict(saved["priority"])
   eval_batches = [engine.shard_batch(b) for b in dataset.eval_batches()]
-  engine.compile(state, engine.shard_batch(dataset.train_batch(start)), plan, eval_batches[0])
+  state = balancer.warm_up(state, engine.shard_batch(dataset.train_batch(start)), eval_batches[0])
 
   unit = "tokens" if config.model.name == "gpt" else "images"
   items_per_step = config.batch_size * dataset.tokens_per_example
-  schedule = config_lib.learning_rate_schedule(config)
   progress = metrics_lib.Progress(config.steps, unit=unit, start_step=start)
   step_times, losses, val = [], [], {}
   last_saved = start if start else None
   for step in range(start + 1, config.steps + 1):
     batch = engine.shard_batch(dataset.train_batch(step - 1))
-    keep = None
-    if resizer is not None:
-      plan, keep = resizer.plan(step - 1, state)
     t0 = time.perf_counter()
+    state, plan = balancer.before_step(step - 1, state)   # may migrate the state
+    t1 = time.perf_counter()
     state, m = engine.train_step(state, batch, plan)
     loss = float(m["loss"])                          # waits for the step
-    dt = time.perf_counter() - t0
+    balance_scalars = balancer.after_step(step - 1, time.perf_counter() - t1)
+    dt = time.perf_counter() - t0                    # the step and everything balancing costs
     if not math.isfinite(loss):
       writer.write(step, {"train/loss": loss})
       writer.close()
+      balancer.close()
       raise FloatingPointError(
           f"train/loss is {loss} at step {step}: training stopped. The last good checkpoint "
           f"(step {last_saved}) in {ckpt.directory} is intact; lower "
@@ -168,31 +129,35 @@ def train_and_evaluate(config, workdir: str) -> dict:
     losses.append(loss)
     scalars = {"train/loss": loss, "train/accuracy": float(m["accuracy"]),
                "train/grad_norm": float(m["grad_norm"]),
-               "train/learning_rate": float(schedule(step - 1)),
+               "train/learning_rate": float(learning_rates[step - 1]),
                "train/step_time_s": dt, f"train/{unit}_per_s": items_per_step / dt}
-    if keep is not None:
+    scalars.update(balance_scalars)
+    if (keep := balancer.keep(step - 1)) is not None:
       scalars.update({"resize/min_keep": min(keep), "resize/resized_devices": sum(
           k < 1 for k in keep)})
     if step % config.eval_every == 0 or step == config.steps:
       val = _evaluate(engine, state.params, eval_batches, plan)
       scalars.update(val)
-    if step % config.log_every == 0 or step == config.steps or "val/loss" in scalars:
+    changed = balancer.decision is not None and balancer.decision.changed
+    if step % config.log_every == 0 or step == config.steps or "val/loss" in scalars or changed:
       writer.write(step, scalars)
       if jax.process_index() == 0:
         names = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "val_accuracy"}
         shown = {names[k]: v for k, v in scalars.items() if k in names}
         print(progress.line(step, dt, items_per_step, shown), flush=True)
     if (config.checkpoint_every and step % config.checkpoint_every == 0) or step == config.steps:
-      meta = {"data_position": step, "layout": layout.to_json(),
+      meta = {"data_position": step, "layout": balancer.layout.to_json(),
               "model": config.model.to_dict()}
-      extra = None if resizer is None else {"priority": resizer.priority.state_dict()}
-      ckpt.save(step, engine.to_logical(state, layout), meta, extra)
+      extra = None if balancer.priority is None else {"priority": balancer.priority.state_dict()}
+      ckpt.save(step, engine.to_logical(state, balancer.layout), meta, extra)
       last_saved = step
   writer.close()
   ckpt.close()
+  balancer.close()
   timed = step_times[1:] or step_times
   mean_dt = float(np.mean(timed)) if timed else float("nan")
   return {"steps": config.steps, "start_step": start,
           "train/loss": losses[-1] if losses else float("nan"), **val,
           "mean_step_time_s": mean_dt, f"{unit}_per_s": items_per_step / mean_dt,
-          "step_times_s": step_times, "losses": losses}
+          "step_times_s": step_times, "losses": losses,
+          "balance": balancer.summary(float(np.sum(step_times)))}

@@ -1,0 +1,366 @@
+"""The balancing policy of a training run: what every step computes, and when work moves.
+
+`Balancer` sits in the training loop (semijax/train.py). Before each step it returns the plan
+(and, after a migration, the migrated state); after each step it takes the measured time. What it
+does depends on `config.balance.policy`:
+
+  even     plain TP: every device owns an equal share, nothing moves;
+  static   the configured layout (`config.layout`), plus any `config.resize` schedule;
+  resize   ZERO-resizing only: slow devices keep `balance.resize_keep` of their units while slow;
+  migrate  migration only: ownership follows the measured speeds (cost-benefit, hysteresis);
+  offload  the authors' baseline: slow devices' surplus units computed by helpers every step;
+  semi     SEMI-migration: the controller picks exact / resize / migrate online.
+
+The dynamic policies (resize, migrate, offload, semi) run in one capacity bucket large enough for
+any split they may choose (`balance.capacity_factor` times the even share), so that every variant
+they need (the exact step, the resized step, the offload step, the migration collective, the speed
+probe) is compiled during warm-up and nothing compiles afterwards; `compiles_after_warmup` counts
+XLA compilations (`semijax.compiles`) after `warm_up`.
+
+Speeds come from `speed.Probe` timings shared between processes, or, with emulated heterogeneity,
+from the emulated slowdown profile (`config.hetero.slowdown`, optionally rotating every
+`config.hetero.rotate_every` steps). Every decision goes to workdir/decisions.jsonl with its
+reason, predicted and measured step times.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from semijax import compiles
+from semijax import controller as controller_lib
+from semijax import hetero
+from semijax import layout as layout_lib
+from semijax import migrate as migrate_lib
+from semijax import models
+from semijax import priority as priority_lib
+from semijax import speed as speed_lib
+
+DYNAMIC = ("resize", "migrate", "offload", "semi")
+
+
+def slowdown_at(profile, step: int, rotate_every: int):
+  """The emulated slowdown [N] in 0-based `step`: `profile` shifted by one device every
+  `rotate_every` steps (0 = static), so (8, 1, ..., 1) gives the authors' rotating straggler."""
+  if profile is None:
+    return None
+  if not rotate_every:
+    return tuple(profile)
+  shift = (step // rotate_every) % len(profile)
+  return tuple(np.roll(np.asarray(profile, float), shift).tolist())
+
+
+def bucket_layout(layout: layout_lib.Layout, factor: float, num_widths: int) -> layout_lib.Layout:
+  """`layout` (same owners) in a bucket of capacity ceil(factor * U / N) per kind (at most
+  U - N + 1, at least the largest count), with `num_widths` compute widths."""
+  kinds = {}
+  for kind, u in layout.kinds().items():
+    n = u.num_devices
+    cap = min(u.num_units - n + 1, math.ceil(factor * u.num_units / n))
+    cap = max(cap, max(u.counts))
+    kinds[kind] = layout_lib.UnitLayout(kind, u.num_units, u.owned, cap, u.counts,
+                                        layout_lib.default_widths(cap, num_widths))
+  return layout_lib.Layout(**kinds)
+
+
+def rebalance(layout: layout_lib.Layout, target: dict) -> layout_lib.Layout:
+  """A layout with `target` {kind: counts}, moving as few units as possible: devices above their
+  target hand their last units to devices below theirs (same capacity and widths)."""
+  moves = {}
+  for kind, u in layout.kinds().items():
+    want = target[kind]
+    surplus = [unit for d, o in enumerate(u.owned) for unit in o[want[d]:][::-1]]
+    need = [d for d in range(u.num_devices) for _ in range(max(want[d] - u.counts[d], 0))]
+    moves[kind] = list(zip(surplus[::-1], need))
+  return migrate_lib.move_units(layout, moves)
+
+
+class Balancer:
+  """Runs `config.balance.policy` in a training loop (see module doc).
+
+  Args:
+    config: the run's config; parsed: its `config_lib.Parsed`.
+    engine: the run's engine; layout: the layout the state starts in (`initial_layout`).
+    workdir: where decisions.jsonl goes (process 0), or None.
+    steps_per_epoch: training steps per pass over the data (default priority refresh interval).
+  """
+
+  def __init__(self, config, parsed, engine, layout, workdir: str | None, steps_per_epoch: int):
+    b = config.balance
+    self.policy = parsed.balance.policy
+    self.engine, self.layout = engine, layout
+    self.profile, self.rotate_every = parsed.slowdown, int(config.hetero.rotate_every)
+    self.schedule = parsed.resize                     # a static config.resize schedule, or None
+    self.resize_spec = parsed.resize_how
+    self.epoch_steps = self.resize_spec.epoch_steps or steps_per_epoch
+    self.refresh_every = self.resize_spec.refresh_every or self.epoch_steps
+    m = config.model
+    self.priority = None
+    if self.schedule is not None or self.policy in ("resize", "semi"):
+      self.priority = priority_lib.Priority(
+          self.resize_spec, num_layers=m.num_layers, d_model=m.d_model,
+          num_units=engine.num_units, unit_sizes=engine.unit_sizes,
+          num_devices=layout.num_devices, seed=config.seed)
+    self.controller = None
+    self.tracker = None
+    self.probe = None
+    self.migrator = None
+    self.measure = b.measure
+    if self.measure == "auto":
+      self.measure = "emulated" if self.profile is not None else "probe"
+    if self.policy in DYNAMIC:
+      self.tracker = speed_lib.SpeedTracker(layout.num_devices, alpha=b.alpha,
+                                            threshold=b.change_threshold, confirm=b.confirm)
+      if self.measure == "probe":
+        self.probe = speed_lib.Probe(b.probe_size, b.probe_repeats)
+      self.controller = controller_lib.Controller(
+          parsed.balance, self._cost_model(config), controller_lib.Setup.of(
+              {k: u.counts for k, u in layout.kinds().items()}),
+          {k: u.capacity for k, u in layout.kinds().items()}, self._unit_bytes())
+      if self.policy in ("migrate", "semi"):
+        self.migrator = migrate_lib.Migrator.for_engine(engine)
+    self.probe_every = int(b.probe_every)
+    self.decision = None
+    self._plans: dict = {}
+    self._resize_cache = (None, None)   # (keep, Resize) since the last priority refresh
+    self._scores_step = None
+    self._resize_version = 0
+    self.compiles_at_warmup = None
+    self.stats = {"migrations": 0, "migrate_s": 0.0, "probe_s": 0.0, "probes": 0,
+                  "decide_s": 0.0, "changes": 0, "step_compiles": 0}
+    self._compiles_before = None
+    self._step_s = None
+    self._log = None
+    if workdir is not None and jax.process_index() == 0 and self.controller is not None:
+      os.makedirs(workdir, exist_ok=True)
+      self._log = open(os.path.join(workdir, "decisions.jsonl"), "a")
+
+  # --- setup ----------------------------------------------------------------------------------
+
+  @staticmethod
+  def initial_layout(config, parsed) -> layout_lib.Layout:
+    """The layout a run of this policy starts in."""
+    layout = parsed.layout
+    if parsed.balance.policy in DYNAMIC:
+      b = config.balance
+      layout = bucket_layout(layout, b.capacity_factor, b.num_widths or config.layout.num_widths)
+    return layout
+
+  def _cost_model(self, config) -> controller_lib.CostModel:
+    m = config.model
+    flops = hetero.flops_per_unit(d_model=m.d_model, head_dim=m.d_model // m.num_heads,
+                                  seq_len=models.sequence_length(m), causal=models.is_causal(m))
+    return controller_lib.CostModel(
+        flops, {k: u.widths for k, u in self.layout.kinds().items()}, self.engine.num_units,
+        fixed_fraction=config.balance.fixed_fraction, alpha=config.balance.alpha)
+
+  def _unit_bytes(self) -> dict:
+    """{kind: bytes of one unit's weights over all layers} (float32)."""
+    out = {}
+    for a, shape in zip(jax.tree.leaves(self.engine.axes), jax.tree.leaves(
+        self.engine.logical_shapes, is_leaf=lambda x: isinstance(x, tuple))):
+      if (unit := a.unit()) is not None:
+        axis, kind = unit
+        out[kind] = out.get(kind, 0.0) + 4.0 * np.prod(shape) / self.engine.num_units[kind]
+    return out
+
+  # --- per step -------------------------------------------------------------------------------
+
+  def slowdown(self, step: int):
+    return slowdown_at(self.profile, step, self.rotate_every)
+
+  def keep(self, step: int):
+    """Resize keep ratios [N] of 0-based `step`, or None (exact)."""
+    if self.controller is not None:
+      return self.controller.setup.keep
+    if self.schedule is not None:
+      keep = self.schedule.keep_ratios(step, self.layout.num_devices, self.epoch_steps)
+      return None if all(k >= 1 for k in keep) else keep
+    return None
+
+  def _resize(self, step: int, state, keep):
+    """The host `Resize` for `keep`, or None. Priority scores are refreshed at every multiple of
+    `refresh_every` (and at the first step if never refreshed), as in the authors' code."""
+    if self.priority is None:
+      return None
+    due = step % self.refresh_every == 0 or self.priority.refreshes == 0
+    if due and step != self._scores_step:
+      params = jax.device_get(self.engine.to_logical(state, self.layout).params)
+      self.priority.refresh(params, self.engine.axes, self.layout)
+      self._scores_step = step
+      self._resize_cache = (None, None)
+    if keep is None:
+      return None
+    cached, resize = self._resize_cache
+    if cached != (keep, self.layout):
+      resize = self.priority.select(self.layout, keep)
+      self._resize_cache = ((keep, self.layout), resize)
+      self._resize_version += 1
+    return resize
+
+  def _offload(self):
+    setup = self.controller.setup if self.controller is not None else None
+    if setup is None or not setup.offloaded:
+      return None
+    from semijax import offload as offload_lib
+    return {k: offload_lib.for_target(u, setup.computed[k]) for k, u in self.layout.kinds().items()}
+
+  def plan(self, step: int, state):
+    """The plan of 0-based `step` (cached: the same inputs give the same device arrays)."""
+    keep = self.keep(step)
+    slowdown = self.slowdown(step)
+    resize = self._resize(step, state, keep)
+    offload = self._offload()
+    key = (self.layout, keep, slowdown, None if offload is None else repr(offload),
+           None if keep is None else self._resize_version)
+    if key not in self._plans:
+      if len(self._plans) > 64:
+        self._plans.clear()
+      kw = {} if offload is None else {"offload": offload}
+      self._plans[key] = self.engine.plan(self.layout, slowdown, resize, **kw)
+    return self._plans[key]
+
+  def before_step(self, step: int, state):
+    """(state, plan) for 0-based `step`: decides, migrates if the decision says so."""
+    self._compiles_before = compiles.count()
+    if self.controller is not None and self.controller.cost.calibrated:
+      t0 = time.perf_counter()
+      speeds = self.tracker.speeds
+      now = time.monotonic()
+      self.decision = self.controller.decide(step, speeds, self.tracker.expected_remaining_s(now),
+                                             self._step_s)
+      self.stats["decide_s"] += time.perf_counter() - t0
+      if self.decision.changed:
+        self.stats["changes"] += 1
+        logging.info("balance step %d: %s", step, self.decision.reason)
+      if self.decision.moves:
+        state = self._migrate(state, self.decision.setup.owned)
+    return state, self.plan(step, state)
+
+  def _migrate(self, state, counts: dict):
+    new = rebalance(self.layout, counts)
+    moves = migrate_lib.plan(self.layout, new)
+    t0 = time.perf_counter()
+    state = self.migrator.migrate_state(state, moves, self.engine.tx, self.engine.axes)
+    jax.block_until_ready(state)
+    dt = time.perf_counter() - t0
+    self.stats["migrations"] += 1
+    self.stats["migrate_s"] += dt
+    self.controller.cost.observe_move(dt)
+    self.layout = new
+    return state
+
+  def after_step(self, step: int, step_s: float) -> dict:
+    """Takes the measured seconds of 0-based `step`'s train step; returns scalars to log."""
+    out = self._after_step(step, step_s)
+    if self._compiles_before is not None:
+      self.stats["step_compiles"] += compiles.count() - self._compiles_before
+    return out
+
+  def _after_step(self, step: int, step_s: float) -> dict:
+    if self.controller is None:
+      return {}
+    probe_s = 0.0
+    times = None
+    if self.measure == "emulated":
+      times = np.asarray(self.slowdown(step), np.float64)
+      _, step_s = speed_lib.gather_times({}, step_s)
+    elif step % self.probe_every == 0:
+      t0 = time.perf_counter()
+      every, step_s = speed_lib.gather_times(self.probe.measure(), step_s)
+      times = speed_lib.tensor_times(self.engine.mesh, every)
+      probe_s = time.perf_counter() - t0
+      self.stats["probe_s"] += probe_s
+      self.stats["probes"] += 1
+    if times is not None:
+      self.tracker.update(times, time.monotonic())
+    self._step_s = step_s if self._step_s is None else 0.7 * self._step_s + 0.3 * step_s
+    setup = self.controller.setup
+    self.controller.cost.observe(setup, self.tracker.speeds, step_s)
+    out = {"balance/min_speed": float(np.min(self.tracker.speeds)),
+           "balance/measured_s": step_s, "balance/migrations": self.stats["migrations"]}
+    if self.decision is not None:
+      d = self.decision
+      out["balance/predicted_s"] = d.predicted_s.get(d.choice, d.predicted_s["current"])
+      out["balance/choice"] = float(controller_lib.CANDIDATE_NAMES.index(d.choice))
+      if self._log is not None:
+        record = {**d.to_json(), "measured_s": round(step_s, 6), "probe_s": round(probe_s, 6)}
+        self._log.write(json.dumps(record) + "\n")
+        if d.changed:
+          self._log.flush()
+    return out
+
+  # --- warm-up and summary --------------------------------------------------------------------
+
+  def warm_up(self, state, batch, eval_batch):
+    """Compiles every variant this policy may use, times one migration; returns the state."""
+    engine = self.engine
+    exact = engine.plan(self.layout, self.slowdown(0))
+    engine.compile(state, batch, exact, eval_batch)
+    if self.priority is not None:     # a throwaway copy: selecting marks units as seen
+      half = tuple(0.5 for _ in range(self.layout.num_devices))
+      resize = copy.deepcopy(self.priority).select(self.layout, half)
+      engine.compile(state, batch, engine.plan(self.layout, self.slowdown(0), resize), eval_batch)
+    if self.policy == "offload":
+      from semijax import offload as offload_lib
+      counts = {k: u.counts for k, u in self.layout.kinds().items()}
+      target = {k: _shift_one(c, u.capacity) for (k, c), u in zip(counts.items(),
+                                                                   self.layout.kinds().values())}
+      off = {k: offload_lib.for_target(u, target[k]) for k, u in self.layout.kinds().items()}
+      engine.compile(state, batch, engine.plan(self.layout, self.slowdown(0), None, offload=off),
+                     eval_batch)
+    engine.to_logical(state, self.layout)        # checkpoints and priority refreshes
+    if self.probe is not None:
+      self.probe.warm_up()
+      speed_lib.gather_times(self.probe.measure(), 0.0)
+    if self.migrator is not None:
+      counts = {k: _shift_one(u.counts, u.capacity) for k, u in self.layout.kinds().items()}
+      there = rebalance(self.layout, counts)
+      back = migrate_lib.plan(there, self.layout)
+      state = self.migrator.migrate_state(state, migrate_lib.plan(self.layout, there),
+                                          engine.tx, engine.axes)
+      t0 = time.perf_counter()
+      state = self.migrator.migrate_state(state, back, engine.tx, engine.axes)
+      jax.block_until_ready(state)
+      self.controller.cost.observe_move(time.perf_counter() - t0)
+    self.compiles_at_warmup = compiles.count()
+    return state
+
+  def summary(self, total_s: float) -> dict:
+    """Balance statistics of the run (`total_s`: wall seconds of the training steps).
+
+    `compiles_after_warmup`: XLA compilations inside training steps (deciding, migrating, the
+    step, measuring) after warm-up; `compiles_elsewhere`: the rest after warm-up (evaluation
+    and checkpoint writing, e.g. Orbax's per-device slices), outside the hot path.
+    """
+    after = None if self.compiles_at_warmup is None else compiles.count() - self.compiles_at_warmup
+    out = {"policy": self.policy, "compiles_after_warmup": self.stats["step_compiles"],
+           "compiles_elsewhere": None if after is None else after - self.stats["step_compiles"],
+           "layout_counts": {k: list(u.counts) for k, u in self.layout.kinds().items()},
+           **self.stats}
+    if total_s > 0:
+      out["measure_overhead"] = (self.stats["probe_s"] + self.stats["decide_s"]) / total_s
+    return out
+
+  def close(self):
+    if self._log is not None:
+      self._log.close()
+      self._log = None
+
+
+def _shift_one(counts, capacity) -> tuple:
+  """Counts with one unit moved from the largest to the smallest device (a warm-up target)."""
+  counts = list(counts)
+  hi, lo = int(np.argmax(counts)), int(np.argmin(counts))
+  if hi != lo and counts[hi] > 1 and counts[lo] < capacity:
+    counts[hi] -= 1
+    counts[lo] += 1
+  return tuple(counts)
