@@ -117,6 +117,15 @@ def at_width(active: jax.Array, widths: tuple[int, ...], fn: Callable, *operands
   return at_bucket(bucket_index(active, widths), widths, fn, *operands)
 
 
+MLP_UNITS = ((1, 1), (0, 1), (0, 1))   # (unit axis, unit size) of w1, b1, w2
+
+
+def attention_units(head_dim: int) -> tuple:
+  """(unit axis, unit size) of wq, bq, wk, bk, wv, bv, wo: one unit is one head."""
+  col, bias, row = (1, head_dim), (0, head_dim), (0, head_dim)
+  return (col, bias, col, bias, col, bias, row)
+
+
 def unit_mask(width: int, active: jax.Array, dtype) -> jax.Array:
   """[width] 1.0 on the first `active` slots, 0.0 after."""
   return (jnp.arange(width) < active).astype(dtype)

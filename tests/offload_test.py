@@ -3,6 +3,10 @@
 Outputs and gradients of the column- and row-parallel GEMMs and of the MLP and attention blocks
 must match a single-device dense computation in fp32, with several stragglers, a helper that
 serves two of them (two ppermute rounds) and uneven, non-contiguous layouts on 8 fake devices.
+
+Wired into training (`Engine.plan(offload=...)`): a tiny GPT trains exactly as without offload,
+one compiled step serves every offload amount, and the host helpers (`for_target`,
+`step_bytes`) and bad inputs are checked.
 """
 
 import math
@@ -13,10 +17,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import optax
+
 import helpers as H
+from semijax import engine as engine_lib
 from semijax import layout as L
 from semijax import mesh as mesh_lib
 from semijax import offload
+from semijax import tasks
+from semijax import tp
+from semijax.models import gpt
 
 N, D, FF, HEADS, HD = 8, 16, 40, 8, 2
 ATOL = 2e-5
@@ -191,3 +201,72 @@ def test_column_parallel_output_shard_is_the_dense_columns(setup):
 def test_bad_offload_is_refused(setup, offloads, match):
   with pytest.raises(L.LayoutError, match=match):
     offload.make_plan(setup["mlp"], offloads)
+
+
+def test_block_partial_charges_kept_bucket_plus_helped_chunks(setup):
+  # The emulated sleep is charged for the executed width: a straggler's bucket width >= what it
+  # keeps, a helper's own bucket plus one chunk per round in which it computes for a straggler.
+  s = setup
+  widths = L.default_widths(s["mlp"].capacity, 3)
+  rounds, chunk = offload.static_shape(s["mlp"])
+  plan = offload.make_plan(s["mlp"], s["offloads"]["mlp"], s["mesh"], chunk=chunk, rounds=rounds)
+  assert len(plan.rounds) == N - 1 and plan.send.shape == (N, N - 1, chunk)
+
+  def body(p, w1, b1, w2, x):
+    y, executed = offload.block_partial(p, widths, tp.mlp_partial, x, (w1, b1, w2), tp.MLP_UNITS)
+    return jax.lax.psum(y, TENSOR), executed.reshape(1)
+
+  packed = pack(s, s["w"])
+  fn = jax.shard_map(body, mesh=s["mesh"], in_specs=(plan.specs(), spec("w1"), spec("b1"),
+                                                     spec("w2"), P()), out_specs=(P(), P(TENSOR)))
+  y, executed = jax.jit(fn)(plan, packed["w1"], packed["b1"], packed["w2"], s["x"])
+  np.testing.assert_allclose(np.asarray(y), np.asarray(dense_mlp(s["w"], s["x"])), atol=ATOL,
+                             rtol=1e-5)
+  keep = np.asarray(plan.keep)
+  helped = (np.asarray(plan.count) > 0).sum(1)
+  u = s["mlp"].replace(widths=widths)
+  own = u.with_active(keep).executed_widths()
+  np.testing.assert_array_equal(np.asarray(executed), np.asarray(own) + chunk * helped)
+  for d in s["offloads"]["mlp"]:   # the stragglers execute less than without offload
+    assert executed[d] < u.executed_widths()[d]
+
+
+# --- host helpers ------------------------------------------------------------------------
+
+def tiny_layout():
+  """MLP counts (15, 7, 25, 1) non-contiguous, heads (3, 1, 3, 1); two widths per kind."""
+  lay = H.random_layout(2, 4)
+  two = lambda u: u.replace(widths=L.default_widths(u.capacity, 2))
+  return L.Layout(mlp=two(lay.mlp), heads=two(lay.heads))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_for_target_round_trips(seed):
+  rng = np.random.default_rng(seed)
+  u = H.random_unit_layout(rng, "mlp", 40, 8, extra_capacity=8)
+  target = np.bincount(rng.integers(0, 8, 40 - 8), minlength=8) + 1   # each >= 1, sum 40
+  desc = offload.for_target(u, target)
+  assert offload.computed_counts(u, desc) == tuple(target)
+  for s, helpers in desc.items():   # only devices above target send, only to those below
+    assert u.active[s] > target[s] and all(u.active[h] < target[h] for h in helpers)
+  rounds, _ = offload.static_shape(u)
+  plan = offload.make_plan(u, desc, chunk=u.capacity, rounds=rounds)
+  np.testing.assert_array_equal(plan.keep + plan.count.sum(1), target)
+
+
+def test_step_bytes_counts_weights_out_and_gradients_back():
+  desc = {"mlp": {0: {1: 3, 2: 1}}, "heads": {3: {0: 2}}}
+  assert offload.step_bytes(desc, {"mlp": 100, "heads": 1000}) == 2 * (4 * 100 + 2 * 1000)
+  assert offload.step_bytes({}, {}) == 0
+  with pytest.raises(ValueError, match=r"^offload.unit_bytes: .*'heads'"):
+    offload.step_bytes(desc, {"mlp": 100})
+
+
+@pytest.mark.parametrize("target, match", [
+    ((12, 12, 12), r"^offload.mlp.target: 3 entries for 4 devices"),
+    ((24, 24, 0, 0), r"^offload.mlp.target: every device must compute at least 1"),
+    ((12, 12, 12, 13), r"^offload.mlp.target: sums to 49, but the devices compute 48"),
+])
+def test_bad_target_is_refused(target, match):
+  with pytest.raises(L.LayoutError, match=match):
+    offload.for_target(tiny_layout().mlp, target)
