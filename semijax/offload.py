@@ -14,8 +14,9 @@ Everything here runs *inside* `jax.shard_map` on local blocks (axis `mesh.TENSOR
     the same contract as `tp.row_parallel`; the helpers compute the offloaded units' whole
     column->row path from the replicated block input, so only weights travel. `mlp_block` and
     `attention_block` name the unit axes of each weight.
-  * `block_partial`: the same before the all-reduce, with the width this device executed (for
-    the emulated straggler sleep, charged before the all-reduce).
+  * `block_partial`: the same before the all-reduce, with the width this device executed;
+    `tp.row_parallel` runs it when `tp.Plan.offload` is set (so training can offload), charges
+    the emulated straggler sleep for that width, then all-reduces.
 
 Compile once: `rounds` and `chunk` are static, the amounts (`keep`, `send`, `count`) are data.
 `static_shape(layout)` fixes the statics independently of the amounts (N-1 shift rounds that

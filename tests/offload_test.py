@@ -14,10 +14,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-
-import optax
 
 import helpers as H
 from semijax import engine as engine_lib
@@ -231,13 +230,58 @@ def test_block_partial_charges_kept_bucket_plus_helped_chunks(setup):
     assert executed[d] < u.executed_widths()[d]
 
 
-# --- host helpers ------------------------------------------------------------------------
+# --- wired into training ------------------------------------------------------------------------
+
+LR = 0.1
+
+
+def tiny_engine():
+  """A one-layer GPT (d_model 32, 8 heads, d_ff 48) on 4 tensor devices: 3 offload rounds.
+
+  Plain SGD: Adam would turn the rounding noise of gradients that are zero in exact arithmetic
+  (the key biases: softmax ignores a constant per query) into lr-sized steps.
+  """
+  kw = dict(H.GPT_KW, num_layers=1)
+  return engine_lib.Engine(lambda rngs: gpt.GPT(rngs=rngs, **kw), tasks.language_model,
+                           mesh_lib.make_mesh(1, 4), optax.sgd(LR))
+
 
 def tiny_layout():
   """MLP counts (15, 7, 25, 1) non-contiguous, heads (3, 1, 3, 1); two widths per kind."""
   lay = H.random_layout(2, 4)
   two = lambda u: u.replace(widths=L.default_widths(u.capacity, 2))
   return L.Layout(mlp=two(lay.mlp), heads=two(lay.heads))
+
+
+def test_engine_step_with_offload_equals_step_without():
+  eng, layout = tiny_engine(), tiny_layout()
+  desc = {"mlp": offload.for_target(layout.mlp, (12, 12, 12, 12)),
+          "heads": offload.for_target(layout.heads, (2, 2, 2, 2))}
+  assert desc["heads"] == {0: {1: 1}, 2: {3: 1}}
+  plain, off = eng.plan(layout), eng.plan(layout, offload=desc)
+  assert np.asarray(off.offload["mlp"].keep).tolist() == [12, 7, 12, 1]
+  assert off.exact() is not off and off.exact().offload is off.offload   # evaluation keeps it
+  batch_np = H.make_batch("gpt", 1)
+  batch = eng.shard_batch(batch_np)
+  state = eng.init(0, layout)
+  logits, grads = H.logits_and_grads(eng, state.params, batch, plain)
+  np.testing.assert_allclose(np.asarray(eng.logits(state.params, batch, off)),
+                             np.asarray(logits), atol=2e-5, rtol=1e-5)
+  # One optimizer step: the plain step's loss and new parameters (SGD: p - lr * g). Checking
+  # p - lr * g to 2e-6 checks the gradients to 2e-5 (and spares compiling their own program).
+  new_off, m_off = eng.train_step(eng.init(0, layout), batch, off)
+  logp = jax.nn.log_softmax(logits)
+  loss = -np.mean(np.take_along_axis(np.asarray(logp), batch_np["targets"][..., None], -1))
+  np.testing.assert_allclose(float(m_off["loss"]), loss, rtol=1e-5)
+  H.assert_trees_close(new_off.params, jax.tree.map(lambda p, g: p - LR * g, state.params, grads),
+                       atol=2e-6)
+  # Another offload amount (and none at all for heads) reuses the compiled step.
+  compiled = eng.compile_count
+  other = {"mlp": offload.for_target(layout.mlp, (10, 14, 14, 10))}
+  for plan in (eng.plan(layout, offload=other), eng.plan(layout, offload={})):
+    new_off, m = eng.train_step(new_off, batch, plan)
+    assert np.isfinite(float(m["loss"]))
+  assert eng.compile_count == compiled
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -270,3 +314,16 @@ def test_step_bytes_counts_weights_out_and_gradients_back():
 def test_bad_target_is_refused(target, match):
   with pytest.raises(L.LayoutError, match=match):
     offload.for_target(tiny_layout().mlp, target)
+
+
+def test_bad_engine_offload_is_refused():
+  eng, layout = tiny_engine(), tiny_layout()
+  with pytest.raises(ValueError, match=r"^offload: expected .* kinds in \['heads', 'mlp'\]"):
+    eng.plan(layout, offload={"ffn": {0: {1: 1}}})
+  with pytest.raises(ValueError, match=r"^offload: cannot be combined with resize"):
+    eng.plan(layout, offload={}, resize=object())
+  # chunk = capacity // 2 = 13: one pair cannot carry 14 units.
+  with pytest.raises(L.LayoutError, match=r"^offload.mlp: chunk 13 is smaller than a pair"):
+    eng.plan(layout, offload={"mlp": {2: {3: 14}}})
+  with pytest.raises(L.LayoutError, match=r"^offload.heads: helper 4 of device 0"):
+    eng.plan(layout, offload={"heads": {0: {4: 1}}})
