@@ -408,5 +408,8 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights, units=None):
   else:
     y, executed = _resized(plan, kind, fn, x, weights, active)
   if plan.slowdown is not None:
-    y = hetero.straggle(y, plan.unit_ms_of(kind) * executed * plan.slowdown[0])
+    # The delay depends on y (times zero), so the sleep runs after this block's compute: a delay
+    # of plan data only lets XLA run the sleeps of several blocks at once (seen with offload).
+    after = jax.lax.stop_gradient(y[(0,) * y.ndim] * 0).astype(jnp.float32)
+    y = hetero.straggle(y, plan.unit_ms_of(kind) * executed * plan.slowdown[0] + after)
   return jax.lax.psum(y, mesh_lib.TENSOR)
