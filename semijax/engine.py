@@ -119,19 +119,24 @@ class Engine:
         raise layout_lib.LayoutError(
             f"layout.{kind}: {u.num_units} units, but the model has {self.num_units[kind]}")
 
-  def plan(self, layout: layout_lib.Layout, slowdown=None, resize=None) -> tp.Plan:
+  def plan(self, layout: layout_lib.Layout, slowdown=None, resize=None,
+           offload=None) -> tp.Plan:
     """The device-placed plan for a step with `layout`.
 
     Args:
       layout: the layout the state is packed in.
       slowdown: optional emulated slowdown factor per tensor device.
       resize: optional host `resize.Resize` (from `priority.Priority.select`).
+      offload: optional {kind: {straggler: {helper: units}}} (`offload.for_target` builds one):
+        helpers compute those units of the straggler every step, exactly. Every amount (and {})
+        shares one compiled step per bucket; None is the plain path (another compiled step).
+        Not combinable with `resize` (ValueError naming `offload`).
     """
     self.check_layout(layout)
     if slowdown is not None and len(slowdown) != self.tensor_size:
       raise ValueError(f"hetero.slowdown: {len(slowdown)} factors for {self.tensor_size} "
                        "tensor devices")
-    return tp.make_plan(layout, self.mesh, slowdown=slowdown, resize=resize,
+    return tp.make_plan(layout, self.mesh, slowdown=slowdown, resize=resize, offload=offload,
                         unit_ms=self.unit_ms if slowdown is not None else None)
 
   # --- parameters and optimizer state ---------------------------------------------------------
@@ -303,6 +308,7 @@ class Engine:
     return self._compiled_fn("train", state, batch, plan)(state, batch, plan)
 
   def eval_terms(self, params, batch, plan: tp.Plan) -> dict:
-    """Summed loss terms of one evaluation batch; evaluation is exact (`plan.resize` ignored)."""
+    """Summed loss terms of one evaluation batch; evaluation is exact (`plan.resize` ignored,
+    `plan.offload` kept: it is exact)."""
     plan = plan.exact()   # evaluation never resizes
     return self._compiled_fn("eval", params, batch, plan)(params, batch, plan)

@@ -11,9 +11,18 @@ offloaded units land on the straggler, exactly.
 Everything here runs *inside* `jax.shard_map` on local blocks (axis `mesh.TENSOR`), like `tp`:
   * `column_parallel`, `row_parallel_gemm`: one GEMM each (exact for both kinds of GEMM);
   * `row_parallel`: a fused column->row block (`tp.mlp_partial`, `tp.attention_partial`) with
-    the same contract as `tp.row_parallel`, so it can be wired in there later; the helpers compute
-    the offloaded units' whole column->row path from the replicated block input, so only
-    weights travel. `mlp_block` and `attention_block` name the unit axes of each weight.
+    the same contract as `tp.row_parallel`; the helpers compute the offloaded units' whole
+    column->row path from the replicated block input, so only weights travel. `mlp_block` and
+    `attention_block` name the unit axes of each weight.
+  * `block_partial`: the same before the all-reduce, with the width this device executed;
+    `tp.row_parallel` runs it when `tp.Plan.offload` is set (so training can offload), charges
+    the emulated straggler sleep for that width, then all-reduces.
+
+Compile once: `rounds` and `chunk` are static, the amounts (`keep`, `send`, `count`) are data.
+`static_shape(layout)` fixes the statics independently of the amounts (N-1 shift rounds that
+cover every pair, chunk = capacity // 2), so one compiled step serves every offload of a bucket.
+Host helpers: `for_target` (the offload that reaches target counts) and `step_bytes` (bytes per
+step, for a cost model).
 
 What the straggler still computes: its leading `keep` slots; the offloaded slots are those after
 `keep`. `row_parallel` runs them at the compiled bucket width >= keep (`tp.at_width`), so offload
@@ -70,24 +79,24 @@ class OffloadPlan:
     return jax.tree.map(lambda _: P(TENSOR), self)
 
 
-def make_plan(layout: layout_lib.UnitLayout, offloads: dict, mesh: jax.sharding.Mesh | None = None,
-              *, chunk: int | None = None) -> OffloadPlan:
-  """Builds (and places on `mesh`, if given) an offload plan for one unit kind.
+def static_shape(layout: layout_lib.UnitLayout) -> tuple[tuple, int]:
+  """(rounds, chunk) that do not depend on the offload amounts, for one unit kind.
 
-  Args:
-    layout: the unit layout (ownership does not change).
-    offloads: {straggler: {helper: units}}; the straggler's last active units go to its helpers
-      in helper order.
-    mesh: places the arrays split over `tensor`; None keeps numpy arrays.
-    chunk: K (static); default the largest units of one pair (at least 1).
-
-  Raises:
-    LayoutError: `offload.<kind>` naming a bad device, share or chunk.
+  rounds: N-1 shift permutations, round r sends d -> (d + r + 1) mod N, so every
+  (straggler, helper) pair has exactly one round. chunk: max(1, capacity // 2) units per pair.
+  Plans built with these statics (`make_plan(..., rounds=, chunk=)`) share one tree structure
+  and shapes for every offload amount, so one compiled step serves them all.
   """
-  f = f"offload.{layout.kind}"
-  n, cap = layout.num_devices, layout.capacity
+  n = layout.num_devices
+  rounds = tuple(tuple((d, (d + r + 1) % n) for d in range(n)) for r in range(n - 1))
+  return rounds, max(1, layout.capacity // 2)
+
+
+def _pairs(f: str, layout: layout_lib.UnitLayout, offloads: dict):
+  """(keep [N], [(src, dst, local slots)]) of an offload description (validated)."""
+  n = layout.num_devices
   keep = np.asarray(layout.active, np.int32).copy()
-  pairs = []                                   # (src, dst, local slots)
+  pairs = []
   for s, helpers in offloads.items():
     if not 0 <= s < n:
       raise layout_lib.LayoutError(f"{f}: straggler {s} is not a device in [0, {n})")
@@ -103,10 +112,12 @@ def make_plan(layout: layout_lib.UnitLayout, offloads: dict, mesh: jax.sharding.
       if c:
         pairs.append((s, h, list(range(start, start + c))))
         start += c
-  k = max([len(p[2]) for p in pairs], default=1) if chunk is None else int(chunk)
-  if any(len(p[2]) > k for p in pairs) or k < 1:
-    raise layout_lib.LayoutError(f"{f}: chunk {k} is smaller than a pair's share")
-  rounds = []                                  # greedy: no device twice per side in a round
+  return keep, pairs
+
+
+def _greedy_rounds(pairs):
+  """Pairs grouped into rounds in which no device is twice a source or twice a destination."""
+  rounds = []
   for s, h, slots in pairs:
     for r in rounds:
       if all(s != a and h != b for a, b, _ in r):
@@ -114,18 +125,112 @@ def make_plan(layout: layout_lib.UnitLayout, offloads: dict, mesh: jax.sharding.
         break
     else:
       rounds.append([(s, h, slots)])
-  send = np.full((n, max(len(rounds), 1), k), cap, np.int32)
-  count = np.zeros((n, max(len(rounds), 1)), np.int32)
-  for i, r in enumerate(rounds):
-    for s, h, slots in r:
-      send[s, i, :len(slots)] = slots
-      count[h, i] = len(slots)
-  perms = tuple(tuple((s, h) for s, h, _ in r) for r in rounds)
+  return tuple(tuple((s, h) for s, h, _ in r) for r in rounds)
+
+
+def make_plan(layout: layout_lib.UnitLayout, offloads: dict, mesh: jax.sharding.Mesh | None = None,
+              *, chunk: int | None = None, rounds: tuple | None = None) -> OffloadPlan:
+  """Builds (and places on `mesh`, if given) an offload plan for one unit kind.
+
+  Args:
+    layout: the unit layout (ownership does not change).
+    offloads: {straggler: {helper: units}}; the straggler's last active units go to its helpers
+      in helper order.
+    mesh: places the arrays split over `tensor`; None keeps numpy arrays.
+    chunk: K (static); default the largest units of one pair (at least 1).
+    rounds: static permutations ((src, dst), ...) per round; every pair of `offloads` must be in
+      one of them. Default: the fewest rounds for these pairs (greedy), which depends on the
+      amounts; pass `static_shape(layout)` to compile once for every amount.
+
+  Raises:
+    LayoutError: `offload.<kind>` naming a bad device, share, chunk or a pair without a round.
+  """
+  f = f"offload.{layout.kind}"
+  n, cap = layout.num_devices, layout.capacity
+  keep, pairs = _pairs(f, layout, offloads)
+  k = max([len(p[2]) for p in pairs], default=1) if chunk is None else int(chunk)
+  if k < 1 or any(len(p[2]) > k for p in pairs):
+    raise layout_lib.LayoutError(
+        f"{f}: chunk {k} is smaller than a pair's share {max(len(p[2]) for p in pairs)}")
+  perms = _greedy_rounds(pairs) if rounds is None else tuple(tuple(map(tuple, r)) for r in rounds)
+  where = {}
+  for i, r in enumerate(perms):
+    for s, h in r:
+      where.setdefault((s, h), i)
+  send = np.full((n, max(len(perms), 1), k), cap, np.int32)
+  count = np.zeros((n, max(len(perms), 1)), np.int32)
+  for s, h, slots in pairs:
+    if (s, h) not in where:
+      raise layout_lib.LayoutError(f"{f}: no round sends from device {s} to helper {h}")
+    i = where[(s, h)]
+    send[s, i, :len(slots)] = slots
+    count[h, i] = len(slots)
   arrays = (keep, send, count)
   if mesh is not None:
     shard = NamedSharding(mesh, P(TENSOR))
     arrays = tuple(jax.device_put(a, shard) for a in arrays)
   return OffloadPlan(*arrays, rounds=perms, chunk=k)
+
+
+def for_target(layout: layout_lib.UnitLayout, target_counts: Sequence[int]) -> dict:
+  """The offload {straggler: {helper: units}} after which device d computes target_counts[d].
+
+  Devices whose active count is above their target send the difference to devices below
+  theirs, greedily: the largest surplus to the largest deficit first (ties: lower device).
+
+  Raises:
+    LayoutError: `offload.<kind>.target` if it has the wrong length, a target < 1, or a sum
+      other than the active units.
+  """
+  f = f"offload.{layout.kind}.target"
+  target = [int(t) for t in target_counts]
+  n = layout.num_devices
+  if len(target) != n:
+    raise layout_lib.LayoutError(f"{f}: {len(target)} entries for {n} devices")
+  if min(target) < 1:
+    raise layout_lib.LayoutError(f"{f}: every device must compute at least 1 unit, got {target}")
+  if sum(target) != sum(layout.active):
+    raise layout_lib.LayoutError(
+        f"{f}: sums to {sum(target)}, but the devices compute {sum(layout.active)} units")
+  diff = [a - t for a, t in zip(layout.active, target)]
+  out: dict = {}
+  while any(diff):
+    s = max(range(n), key=lambda d: (diff[d], -d))
+    h = min(range(n), key=lambda d: (diff[d], d))
+    c = min(diff[s], -diff[h])
+    out.setdefault(s, {})[h] = c
+    diff[s] -= c
+    diff[h] += c
+  return out
+
+
+def computed_counts(layout: layout_lib.UnitLayout, offloads: dict) -> tuple[int, ...]:
+  """Units each device computes under `offloads` (its kept ones plus those it helps with)."""
+  counts = list(layout.active)
+  for s, helpers in offloads.items():
+    for h, c in helpers.items():
+      counts[s] -= c
+      counts[h] += c
+  return tuple(counts)
+
+
+def step_bytes(offloads: dict, unit_bytes: dict) -> int:
+  """Payload bytes sent per train step: the weights out, their gradients back (2x).
+
+  Args:
+    offloads: {kind: {straggler: {helper: units}}} (the `tp.make_plan` host description).
+    unit_bytes: {kind: bytes of one unit's weights, summed over every layer}.
+
+  The compiled rounds (`static_shape`) send fixed chunks, zeros where a pair has no share;
+  this counts only the units really offloaded, what a ragged transfer would move.
+  """
+  total = 0
+  for kind, desc in offloads.items():
+    if kind not in unit_bytes:
+      raise ValueError(f"offload.unit_bytes: no bytes per unit for kind {kind!r}")
+    units = sum(c for helpers in desc.values() for c in helpers.values())
+    total += 2 * units * unit_bytes[kind]
+  return int(total)
 
 
 def no_offload(layout: layout_lib.UnitLayout, mesh=None) -> OffloadPlan:
@@ -243,6 +348,26 @@ def helped_partial(plan: OffloadPlan, fn: Callable, x, weights: Sequence, units:
   return y
 
 
+def block_partial(plan: OffloadPlan, widths: Sequence[int], fn: Callable, x, weights: Sequence,
+                  units: Sequence):
+  """This device's offload partial sum (before the all-reduce) and the width it executed.
+
+  Args: as `row_parallel`.
+
+  Returns:
+    ([..., d_model] partial output, float32 scalar executed width: the bucket width >= keep
+    plus `chunk` for every round in which this device computes a straggler's units).
+  """
+  keep = plan.keep[0]
+  x = _varying(x)
+  y = tp.at_width(keep, tuple(widths), fn, x, *weights, keep)
+  executed = jnp.asarray(widths, jnp.float32)[tp.bucket_index(keep, tuple(widths))]
+  if plan.rounds:
+    y = y + helped_partial(plan, fn, x, weights, units)
+    executed = executed + plan.chunk * jnp.sum(plan.count[0] > 0).astype(jnp.float32)
+  return y, executed
+
+
 def row_parallel(plan: OffloadPlan, widths: Sequence[int], fn: Callable, x, weights: Sequence,
                  units: Sequence):
   """`tp.row_parallel` with offload: own units at a bucket width, helpers' units, one psum.
@@ -257,18 +382,14 @@ def row_parallel(plan: OffloadPlan, widths: Sequence[int], fn: Callable, x, weig
   Returns:
     The full block output (without the output bias), replicated over `tensor`.
   """
-  keep = plan.keep[0]
-  x = _varying(x)
-  y = tp.at_width(keep, tuple(widths), fn, x, *weights, keep)
-  if plan.rounds:
-    y = y + helped_partial(plan, fn, x, weights, units)
+  y, _ = block_partial(plan, widths, fn, x, weights, units)
   return jax.lax.psum(y, TENSOR)
 
 
 def mlp_block(plan: OffloadPlan, widths, x, w1, b1, w2):
   """MLP block with offload. x: [..., d_model] replicated; w1 [d_model, C], b1 [C], w2 [C, d_model]
   local. Returns [..., d_model] replicated (without b2)."""
-  return row_parallel(plan, widths, tp.mlp_partial, x, (w1, b1, w2), ((1, 1), (0, 1), (0, 1)))
+  return row_parallel(plan, widths, tp.mlp_partial, x, (w1, b1, w2), tp.MLP_UNITS)
 
 
 def attention_block(plan: OffloadPlan, widths, x, wq, bq, wk, bk, wv, bv, wo, *, head_dim: int,
@@ -277,6 +398,5 @@ def attention_block(plan: OffloadPlan, widths, x, wq, bq, wk, bk, wv, bv, wo, *,
   [d_model, C*head_dim], bq/bk/bv [C*head_dim], wo [C*head_dim, d_model] local. Returns
   [batch, seq, d_model] replicated (without bo)."""
   fn = functools.partial(tp.attention_partial, head_dim=head_dim, causal=causal)
-  col, bias, row = (1, head_dim), (0, head_dim), (0, head_dim)
   return row_parallel(plan, widths, fn, x, (wq, bq, wk, bk, wv, bv, wo),
-                      (col, bias, col, bias, col, bias, row))
+                      tp.attention_units(head_dim))

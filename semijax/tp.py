@@ -12,6 +12,10 @@ is data, so changing counts or actives inside a capacity bucket never recompiles
 Each branch is rematerialized (`jax.checkpoint`) in the backward pass. Without it `lax.cond` keeps
 the residuals of *every* branch, zero-filled for the branches not taken, which costs more than
 the recomputed forward and makes small widths as slow as large ones.
+
+Offload (`Plan.offload`, the authors' baseline, see `offload`): helpers compute some of a
+straggler's units every step. `row_parallel` then runs `offload.block_partial`; `offload` imports
+this module, so this module imports it lazily, inside the two functions that need it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from semijax import mesh as mesh_lib
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("active", "slowdown", "resize"), meta_fields=("widths", "unit_ms"))
+                   data_fields=("active", "slowdown", "resize", "offload"),
+                   meta_fields=("widths", "unit_ms"))
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What every tensor device computes in one step.
@@ -43,6 +48,8 @@ class Plan:
       no emulation ([1] locally).
     resize: a `resize.Resize` (ZERO-resizing: which units / features each device skips in each
       layer), or None for exact computation. Inside a block, `layer(i)` has sliced it to layer i.
+    offload: {kind: `offload.OffloadPlan`} for every kind (the same in every layer), or None: which
+      units each device sends to helpers and computes for others. Exact, so `exact()` keeps it.
     widths: ((kind, compute widths), ...), static: the compiled bucket widths.
     unit_ms: ((kind, ms), ...), static: emulated milliseconds per unit of executed width at
       slowdown 1 (forward plus backward); only used when `slowdown` is not None.
@@ -53,6 +60,7 @@ class Plan:
   widths: tuple
   unit_ms: tuple = ()
   resize: object = None
+  offload: dict | None = None
 
   def widths_of(self, kind: str) -> tuple[int, ...]:
     return dict(self.widths)[kind]
@@ -67,16 +75,29 @@ class Plan:
     return dataclasses.replace(self, resize=self.resize.layer(i))
 
   def exact(self) -> "Plan":
-    """The same plan without resizing (evaluation always computes every owned unit)."""
+    """The same plan without resizing (evaluation always computes every owned unit).
+
+    Offload is kept: it computes exactly the same values, and balances evaluation steps too.
+    """
     return dataclasses.replace(self, resize=None)
 
 
 def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, slowdown=None,
-              unit_ms: dict | None = None, resize=None) -> Plan:
+              unit_ms: dict | None = None, resize=None, offload=None) -> Plan:
   """The device-placed plan for `layout` (every data leaf sharded over `tensor`).
 
   `resize` is a host-side `resize.Resize` (numpy leaves [N, L, ...]) or None.
+  `offload` is None (no offload path) or {kind: {straggler: {helper: units}}}; a kind left out
+  (or {}) offloads nothing but still runs the offload path, so that every amount, zero included,
+  uses the same compiled step (`offload.static_shape`).
+
+  Raises:
+    ValueError: `offload` with an unknown kind, or together with `resize` (not supported).
+    LayoutError: `offload.<kind>` with a bad straggler, helper or share (`offload.make_plan`).
   """
+  if offload is not None and resize is not None:
+    raise ValueError("offload: cannot be combined with resize (a resized device's kept units "
+                     "are a permutation, offload sends its last active slots); pass one of them")
   shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
   put = lambda x: jax.device_put(x, shard)
   active = {k: put(np.asarray(u.active, np.int32)) for k, u in layout.kinds().items()}
@@ -84,8 +105,25 @@ def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, slowdown=No
     slowdown = put(np.asarray(slowdown, np.float32))
   if resize is not None:
     resize = jax.tree.map(put, resize)
+  if offload is not None:
+    offload = _offload_plans(layout, mesh, offload)
   return Plan(active, slowdown, tuple((k, u.widths) for k, u in layout.kinds().items()),
-              tuple(sorted((unit_ms or {}).items())), resize)
+              tuple(sorted((unit_ms or {}).items())), resize, offload)
+
+
+def _offload_plans(layout: layout_lib.Layout, mesh, offload: dict) -> dict:
+  """{kind: placed OffloadPlan} with amount-independent statics, for every kind of `layout`."""
+  from semijax import offload as offload_lib   # lazy: offload imports tp
+  kinds = layout.kinds()
+  if not isinstance(offload, dict) or set(offload) - set(kinds):
+    raise ValueError(f"offload: expected {{kind: {{straggler: {{helper: units}}}}}} with kinds "
+                     f"in {sorted(kinds)}, got {offload!r}")
+  out = {}
+  for kind, u in kinds.items():
+    rounds, chunk = offload_lib.static_shape(u)
+    out[kind] = offload_lib.make_plan(u, offload.get(kind, {}), mesh, chunk=chunk,
+                                      rounds=rounds)
+  return out
 
 
 def plan_specs(plan: Plan) -> Plan:
@@ -115,6 +153,15 @@ def at_width(active: jax.Array, widths: tuple[int, ...], fn: Callable, *operands
     fn: fn(width, *operands) -> outputs; all widths must give outputs of the same shape.
   """
   return at_bucket(bucket_index(active, widths), widths, fn, *operands)
+
+
+MLP_UNITS = ((1, 1), (0, 1), (0, 1))   # (unit axis, unit size) of w1, b1, w2
+
+
+def attention_units(head_dim: int) -> tuple:
+  """(unit axis, unit size) of wq, bq, wk, bk, wv, bv, wo: one unit is one head."""
+  col, bias, row = (1, head_dim), (0, head_dim), (0, head_dim)
+  return (col, bias, col, bias, col, bias, row)
 
 
 def unit_mask(width: int, active: jax.Array, dtype) -> jax.Array:
@@ -325,7 +372,7 @@ def _resized(plan: Plan, kind: str, fn: Callable, x, weights, active):
   return y, executed
 
 
-def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights):
+def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights, units=None):
   """Runs a column->row parallel block on this device's units and all-reduces the result.
 
   Args:
@@ -334,6 +381,11 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights):
     fn: a partial function like `mlp_partial`: fn(width, x, *weights, active, cut).
     x: activations, replicated over `tensor`.
     weights: local padded blocks.
+    units: per weight, static (unit axis, unit size) (`MLP_UNITS`, `attention_units`); needed
+      when `plan.offload` is set (helpers gather the offloaded units of every weight).
+
+  With `plan.offload`, the device computes its kept units at their bucket width and the units
+  it helps with at the offload chunk width; the emulated sleep charges both.
 
   Returns:
     The full block output, replicated over `tensor`.
@@ -344,11 +396,20 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights):
   # outside the per-device branches: then the all-reduce of its gradient is not inside every
   # branch, where a branch without one would leave the other devices waiting.
   x = x + (active * 0).astype(x.dtype)
-  if plan.resize is None:
+  if plan.offload is not None:
+    if units is None or len(units) != len(weights):
+      raise ValueError(f"tp.row_parallel.units: offload needs (axis, unit size) for each of the "
+                       f"{len(weights)} weights of {kind}, got {units!r}")
+    from semijax import offload as offload_lib   # lazy: offload imports tp
+    y, executed = offload_lib.block_partial(plan.offload[kind], widths, fn, x, weights, units)
+  elif plan.resize is None:
     y = at_width(active, widths, fn, x, *weights, active)
     executed = jnp.asarray(widths, jnp.float32)[bucket_index(active, widths)]
   else:
     y, executed = _resized(plan, kind, fn, x, weights, active)
   if plan.slowdown is not None:
-    y = hetero.straggle(y, plan.unit_ms_of(kind) * executed * plan.slowdown[0])
+    # The delay depends on y (times zero), so the sleep runs after this block's compute: a delay
+    # of plan data only lets XLA run the sleeps of several blocks at once (seen with offload).
+    after = jax.lax.stop_gradient(y[(0,) * y.ndim] * 0).astype(jnp.float32)
+    y = hetero.straggle(y, plan.unit_ms_of(kind) * executed * plan.slowdown[0] + after)
   return jax.lax.psum(y, mesh_lib.TENSOR)

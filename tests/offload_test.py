@@ -3,6 +3,10 @@
 Outputs and gradients of the column- and row-parallel GEMMs and of the MLP and attention blocks
 must match a single-device dense computation in fp32, with several stragglers, a helper that
 serves two of them (two ppermute rounds) and uneven, non-contiguous layouts on 8 fake devices.
+
+Wired into training (`Engine.plan(offload=...)`): a tiny GPT trains exactly as without offload,
+one compiled step serves every offload amount, and the host helpers (`for_target`,
+`step_bytes`) and bad inputs are checked.
 """
 
 import math
@@ -10,13 +14,18 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import helpers as H
+from semijax import engine as engine_lib
 from semijax import layout as L
 from semijax import mesh as mesh_lib
 from semijax import offload
+from semijax import tasks
+from semijax import tp
+from semijax.models import gpt
 
 N, D, FF, HEADS, HD = 8, 16, 40, 8, 2
 ATOL = 2e-5
@@ -191,3 +200,130 @@ def test_column_parallel_output_shard_is_the_dense_columns(setup):
 def test_bad_offload_is_refused(setup, offloads, match):
   with pytest.raises(L.LayoutError, match=match):
     offload.make_plan(setup["mlp"], offloads)
+
+
+def test_block_partial_charges_kept_bucket_plus_helped_chunks(setup):
+  # The emulated sleep is charged for the executed width: a straggler's bucket width >= what it
+  # keeps, a helper's own bucket plus one chunk per round in which it computes for a straggler.
+  s = setup
+  widths = L.default_widths(s["mlp"].capacity, 3)
+  rounds, chunk = offload.static_shape(s["mlp"])
+  plan = offload.make_plan(s["mlp"], s["offloads"]["mlp"], s["mesh"], chunk=chunk, rounds=rounds)
+  assert len(plan.rounds) == N - 1 and plan.send.shape == (N, N - 1, chunk)
+
+  def body(p, w1, b1, w2, x):
+    y, executed = offload.block_partial(p, widths, tp.mlp_partial, x, (w1, b1, w2), tp.MLP_UNITS)
+    return jax.lax.psum(y, TENSOR), executed.reshape(1)
+
+  packed = pack(s, s["w"])
+  fn = jax.shard_map(body, mesh=s["mesh"], in_specs=(plan.specs(), spec("w1"), spec("b1"),
+                                                     spec("w2"), P()), out_specs=(P(), P(TENSOR)))
+  y, executed = jax.jit(fn)(plan, packed["w1"], packed["b1"], packed["w2"], s["x"])
+  np.testing.assert_allclose(np.asarray(y), np.asarray(dense_mlp(s["w"], s["x"])), atol=ATOL,
+                             rtol=1e-5)
+  keep = np.asarray(plan.keep)
+  helped = (np.asarray(plan.count) > 0).sum(1)
+  u = s["mlp"].replace(widths=widths)
+  own = u.with_active(keep).executed_widths()
+  np.testing.assert_array_equal(np.asarray(executed), np.asarray(own) + chunk * helped)
+  for d in s["offloads"]["mlp"]:   # the stragglers execute less than without offload
+    assert executed[d] < u.executed_widths()[d]
+
+
+# --- wired into training ------------------------------------------------------------------------
+
+LR = 0.1
+
+
+def tiny_engine():
+  """A one-layer GPT (d_model 32, 8 heads, d_ff 48) on 4 tensor devices: 3 offload rounds.
+
+  Plain SGD: Adam would turn the rounding noise of gradients that are zero in exact arithmetic
+  (the key biases: softmax ignores a constant per query) into lr-sized steps.
+  """
+  kw = dict(H.GPT_KW, num_layers=1)
+  return engine_lib.Engine(lambda rngs: gpt.GPT(rngs=rngs, **kw), tasks.language_model,
+                           mesh_lib.make_mesh(1, 4), optax.sgd(LR))
+
+
+def tiny_layout():
+  """MLP counts (15, 7, 25, 1) non-contiguous, heads (3, 1, 3, 1); two widths per kind."""
+  lay = H.random_layout(2, 4)
+  two = lambda u: u.replace(widths=L.default_widths(u.capacity, 2))
+  return L.Layout(mlp=two(lay.mlp), heads=two(lay.heads))
+
+
+def test_engine_step_with_offload_equals_step_without():
+  eng, layout = tiny_engine(), tiny_layout()
+  desc = {"mlp": offload.for_target(layout.mlp, (12, 12, 12, 12)),
+          "heads": offload.for_target(layout.heads, (2, 2, 2, 2))}
+  assert desc["heads"] == {0: {1: 1}, 2: {3: 1}}
+  plain, off = eng.plan(layout), eng.plan(layout, offload=desc)
+  assert np.asarray(off.offload["mlp"].keep).tolist() == [12, 7, 12, 1]
+  assert off.exact() is not off and off.exact().offload is off.offload   # evaluation keeps it
+  batch_np = H.make_batch("gpt", 1)
+  batch = eng.shard_batch(batch_np)
+  state = eng.init(0, layout)
+  logits, grads = H.logits_and_grads(eng, state.params, batch, plain)
+  np.testing.assert_allclose(np.asarray(eng.logits(state.params, batch, off)),
+                             np.asarray(logits), atol=2e-5, rtol=1e-5)
+  # One optimizer step: the plain step's loss and new parameters (SGD: p - lr * g). Checking
+  # p - lr * g to 2e-6 checks the gradients to 2e-5 (and spares compiling their own program).
+  new_off, m_off = eng.train_step(eng.init(0, layout), batch, off)
+  logp = jax.nn.log_softmax(logits)
+  loss = -np.mean(np.take_along_axis(np.asarray(logp), batch_np["targets"][..., None], -1))
+  np.testing.assert_allclose(float(m_off["loss"]), loss, rtol=1e-5)
+  H.assert_trees_close(new_off.params, jax.tree.map(lambda p, g: p - LR * g, state.params, grads),
+                       atol=2e-6)
+  # Another offload amount (and none at all for heads) reuses the compiled step.
+  compiled = eng.compile_count
+  other = {"mlp": offload.for_target(layout.mlp, (10, 14, 14, 10))}
+  for plan in (eng.plan(layout, offload=other), eng.plan(layout, offload={})):
+    new_off, m = eng.train_step(new_off, batch, plan)
+    assert np.isfinite(float(m["loss"]))
+  assert eng.compile_count == compiled
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_for_target_round_trips(seed):
+  rng = np.random.default_rng(seed)
+  u = H.random_unit_layout(rng, "mlp", 40, 8, extra_capacity=8)
+  target = np.bincount(rng.integers(0, 8, 40 - 8), minlength=8) + 1   # each >= 1, sum 40
+  desc = offload.for_target(u, target)
+  assert offload.computed_counts(u, desc) == tuple(target)
+  for s, helpers in desc.items():   # only devices above target send, only to those below
+    assert u.active[s] > target[s] and all(u.active[h] < target[h] for h in helpers)
+  rounds, _ = offload.static_shape(u)
+  plan = offload.make_plan(u, desc, chunk=u.capacity, rounds=rounds)
+  np.testing.assert_array_equal(plan.keep + plan.count.sum(1), target)
+
+
+def test_step_bytes_counts_weights_out_and_gradients_back():
+  desc = {"mlp": {0: {1: 3, 2: 1}}, "heads": {3: {0: 2}}}
+  assert offload.step_bytes(desc, {"mlp": 100, "heads": 1000}) == 2 * (4 * 100 + 2 * 1000)
+  assert offload.step_bytes({}, {}) == 0
+  with pytest.raises(ValueError, match=r"^offload.unit_bytes: .*'heads'"):
+    offload.step_bytes(desc, {"mlp": 100})
+
+
+@pytest.mark.parametrize("target, match", [
+    ((12, 12, 12), r"^offload.mlp.target: 3 entries for 4 devices"),
+    ((24, 24, 0, 0), r"^offload.mlp.target: every device must compute at least 1"),
+    ((12, 12, 12, 13), r"^offload.mlp.target: sums to 49, but the devices compute 48"),
+])
+def test_bad_target_is_refused(target, match):
+  with pytest.raises(L.LayoutError, match=match):
+    offload.for_target(tiny_layout().mlp, target)
+
+
+def test_bad_engine_offload_is_refused():
+  eng, layout = tiny_engine(), tiny_layout()
+  with pytest.raises(ValueError, match=r"^offload: expected .* kinds in \['heads', 'mlp'\]"):
+    eng.plan(layout, offload={"ffn": {0: {1: 1}}})
+  with pytest.raises(ValueError, match=r"^offload: cannot be combined with resize"):
+    eng.plan(layout, offload={}, resize=object())
+  # chunk = capacity // 2 = 13: one pair cannot carry 14 units.
+  with pytest.raises(L.LayoutError, match=r"^offload.mlp: chunk 13 is smaller than a pair"):
+    eng.plan(layout, offload={"mlp": {2: {3: 14}}})
+  with pytest.raises(L.LayoutError, match=r"^offload.heads: helper 4 of device 0"):
+    eng.plan(layout, offload={"heads": {0: {4: 1}}})

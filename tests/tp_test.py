@@ -67,3 +67,11 @@ def test_attention_partial_heads_independent():
   wo = ws[-1].at[3 * hd:].set(0)
   four = fn(4, x, *ws[:-1], wo, jnp.int32(4))
   np.testing.assert_allclose(three, four, atol=1e-5, rtol=1e-5)
+
+
+def test_row_parallel_with_offload_needs_unit_axes():
+  # The offload path gathers the offloaded units of every weight, so it needs their unit axes.
+  x = jnp.ones((3, 8))
+  plan = tp.Plan({"mlp": jnp.zeros((1,), jnp.int32)}, None, (("mlp", WIDTHS),), offload={})
+  with pytest.raises(ValueError, match=r"^tp.row_parallel.units: offload needs"):
+    tp.row_parallel(plan, "mlp", tp.mlp_partial, x, *_mlp_weights(jax.random.key(0)))

@@ -41,7 +41,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x, plan: tp.Plan):
     """x: [..., d_model] replicated over tensor -> [..., d_model] replicated."""
-    y = tp.row_parallel(plan, "mlp", tp.mlp_partial, x, self.w1[...], self.b1[...], self.w2[...])
+    y = tp.row_parallel(plan, "mlp", tp.mlp_partial, x, self.w1[...], self.b1[...], self.w2[...],
+                        units=tp.MLP_UNITS)
     return y + self.b2[...]
 
 
@@ -66,7 +67,8 @@ class Attention(nnx.Module):
     """x: [batch, seq, d_model] replicated over tensor -> same shape, replicated."""
     fn = functools.partial(tp.attention_partial, head_dim=self.head_dim, causal=self.causal)
     weights = [v[...] for v in (self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo)]
-    return tp.row_parallel(plan, "heads", fn, x, *weights) + self.bo[...]
+    units = tp.attention_units(self.head_dim)
+    return tp.row_parallel(plan, "heads", fn, x, *weights, units=units) + self.bo[...]
 
 
 class Block(nnx.Module):
