@@ -85,6 +85,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.resize_budget = 0.5    # semi: the largest share of a device's units it may skip
   c.balance.resize_keep = 0.5      # resize policy: keep ratio of a slow device (the authors')
   c.balance.resize_penalty = 0.05  # accuracy cost of resizing, as a share of step time
+  c.balance.resize_horizon_steps = 16  # semi resizes only slowdowns expected to end within this
   c.balance.fixed_fraction = 0.1   # cost model prior: share of a step that no split changes
 
   # ZERO-resizing (semijax.resize): who computes only part of its units, and how.
@@ -272,7 +273,8 @@ def parse_balance(config, slowdown, resize) -> controller_lib.Settings:
   settings = controller_lib.Settings(
       policy=b.policy, hysteresis=b.hysteresis, patience=b.patience,
       min_dwell_steps=b.min_dwell_steps, slow_threshold=b.slow_threshold,
-      resize_budget=b.resize_budget, resize_keep=b.resize_keep, resize_penalty=b.resize_penalty)
+      resize_budget=b.resize_budget, resize_keep=b.resize_keep, resize_penalty=b.resize_penalty,
+      resize_horizon_steps=b.resize_horizon_steps)
   try:
     settings.validate()
   except ValueError as e:

@@ -18,7 +18,10 @@ later, back). Candidates:
 
   exact    the current ownership, every owned unit computed;
   resize   the current ownership, slow devices keep part of their units (ZERO-resizing), at most
-           `resize_budget` of them skipped (the `resize` policy: `resize_keep` while slow);
+           `resize_budget` of them skipped (the `resize` policy: `resize_keep` while slow). The
+           accuracy budget also bounds time: `semi` resizes only while the slowdown is expected
+           to end within `resize_horizon_steps`; a longer one is balanced without loss or not
+           at all (resizing would otherwise win forever, being free to start);
   migrate  ownership proportional to speed (capped at the bucket capacity), moved once;
   offload  ownership unchanged, slow devices' surplus computed by helpers every step.
 
@@ -190,6 +193,7 @@ class Settings:
   resize_budget: float = 0.5
   resize_keep: float = 0.5
   resize_penalty: float = 0.05
+  resize_horizon_steps: float = 16
   keep_grid: int = 8
 
   def validate(self) -> "Settings":
@@ -203,6 +207,8 @@ class Settings:
         raise ValueError(f"{f}.{name}: must be in [{lo}, {hi}), got {v!r}")
     if not 0 < self.resize_keep <= 1:
       raise ValueError(f"{f}.resize_keep: must be in (0, 1], got {self.resize_keep!r}")
+    if not self.resize_horizon_steps >= 0:
+      raise ValueError(f"{f}.resize_horizon_steps: must be >= 0, got {self.resize_horizon_steps!r}")
     for name in ("patience", "keep_grid"):
       if getattr(self, name) < 1:
         raise ValueError(f"{f}.{name}: must be >= 1, got {getattr(self, name)!r}")
@@ -294,11 +300,14 @@ class Controller:
       keep.append(k)
     return None if all(k == 1.0 for k in keep) else tuple(keep)
 
-  def candidates(self, speeds) -> dict:
+  def candidates(self, speeds, expected_steps: float = 0.0) -> dict:
+    """{name: Setup} this policy may switch to now (semi resizes only within the horizon)."""
     owned = self.setup.owned
     out = {"exact": Setup(owned, owned, None)}
     allowed = CANDIDATES[self.settings.policy]
-    if "resize" in allowed and (keep := self.resize_keep(owned, speeds)) is not None:
+    within = (self.settings.policy != "semi"
+              or expected_steps <= self.settings.resize_horizon_steps)
+    if "resize" in allowed and within and (keep := self.resize_keep(owned, speeds)) is not None:
       out["resize"] = Setup(owned, owned, keep)
     target = self.target_counts(speeds)
     if "migrate" in allowed and target != owned:
@@ -331,7 +340,7 @@ class Controller:
     s = self.settings
     speeds = np.asarray(speeds, np.float64)
     expected_steps = expected_s / max(step_s, 1e-9)
-    cands = self.candidates(speeds)
+    cands = self.candidates(speeds, expected_steps)
     pred = {name: self.predict(c, speeds, expected_steps) for name, c in cands.items()}
     current = self._current_name(cands)
     now = self.predict(self.setup, speeds, expected_steps)
@@ -382,6 +391,8 @@ class Controller:
     # While waiting, take the best option that moves nothing (e.g. resize before migrating).
     still = {n: p for n, p in pred.items() if cands[n].owned == self.setup.owned}
     alt = min(still, key=still.get)
+    if current not in cands:        # the current setup is no longer allowed (e.g. resize horizon)
+      return alt, f"{alt}: {current} is no longer allowed (hold: {why}); {context}"
     if alt != current and alt != best and pred[alt] < now * (1 - s.hysteresis):
       return alt, f"{alt} meanwhile ({pred[alt]:.4g} s/step; hold: {why}); {context}"
     return current, f"stay {current} (hold: {why}); {context}"
