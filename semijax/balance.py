@@ -135,8 +135,12 @@ class Balancer:
     self._resize_version = 0
     self.compiles_at_warmup = None
     self.stats = {"migrations": 0, "migrate_s": 0.0, "probe_s": 0.0, "probes": 0,
-                  "decide_s": 0.0, "changes": 0, "step_compiles": 0}
+                  "decide_s": 0.0, "changes": 0, "step_compiles": 0, "decisions": 0}
     self._compiles_before = None
+    self._sampled = False        # a new speed sample arrived since the last decision
+    self._pending = []           # step seconds since the last sample (this process)
+    self._last = None            # the latest decision (logged with the time measured after it)
+    self.clock_s = 0.0           # shared clock: sum of the shared mean step times
     self._step_s = None
     self._log = None
     if workdir is not None and jax.process_index() == 0 and self.controller is not None:
@@ -229,15 +233,18 @@ class Balancer:
     return self._plans[key]
 
   def before_step(self, step: int, state):
-    """(state, plan) for 0-based `step`: decides, migrates if the decision says so."""
+    """(state, plan) for 0-based `step`: decides (after each speed sample), migrates if the
+    decision says so. Every input of a decision is identical on all processes (shared samples
+    and a shared clock), so all processes take the same decision."""
     self._compiles_before = compiles.count()
-    if self.controller is not None and self.controller.cost.calibrated:
+    self.decision = None
+    if self.controller is not None and self._sampled and self.controller.cost.calibrated:
+      self._sampled = False
       t0 = time.perf_counter()
-      speeds = self.tracker.speeds
-      now = time.monotonic()
-      self.decision = self.controller.decide(step, speeds, self.tracker.expected_remaining_s(now),
-                                             self._step_s)
+      self.decision = self.controller.decide(
+          step, self.tracker.speeds, self.tracker.expected_remaining_s(self.clock_s), self._step_s)
       self.stats["decide_s"] += time.perf_counter() - t0
+      self.stats["decisions"] += 1
       if self.decision.changed:
         self.stats["changes"] += 1
         logging.info("balance step %d: %s", step, self.decision.reason)
@@ -260,39 +267,46 @@ class Balancer:
 
   def after_step(self, step: int, step_s: float) -> dict:
     """Takes the measured seconds of 0-based `step`'s train step; returns scalars to log."""
+    if self.decision is not None:
+      self._last = self.decision
     out = self._after_step(step, step_s)
     if self._compiles_before is not None:
       self.stats["step_compiles"] += compiles.count() - self._compiles_before
     return out
 
   def _after_step(self, step: int, step_s: float) -> dict:
+    """Every `probe_every` steps (every step when emulated): one shared speed sample, the mean
+    step time since the last one, the cost model's calibration and the decision's log line."""
     if self.controller is None:
       return {}
-    probe_s = 0.0
-    times = None
-    if self.measure == "emulated":
-      times = np.asarray(self.slowdown(step), np.float64)
-      _, step_s = speed_lib.gather_times({}, step_s)
-    elif step % self.probe_every == 0:
-      t0 = time.perf_counter()
-      every, step_s = speed_lib.gather_times(self.probe.measure(), step_s)
+    self._pending.append(step_s)
+    if self.measure != "emulated" and step % self.probe_every:
+      return {}
+    t0 = time.perf_counter()
+    local = self.probe.measure() if self.probe is not None else {}
+    every, mean_s = speed_lib.gather_times(local, float(np.mean(self._pending)))
+    if self.probe is not None:
       times = speed_lib.tensor_times(self.engine.mesh, every)
-      probe_s = time.perf_counter() - t0
-      self.stats["probe_s"] += probe_s
       self.stats["probes"] += 1
-    if times is not None:
-      self.tracker.update(times, time.monotonic())
-    self._step_s = step_s if self._step_s is None else 0.7 * self._step_s + 0.3 * step_s
-    setup = self.controller.setup
-    self.controller.cost.observe(setup, self.tracker.speeds, step_s)
+    else:
+      times = np.asarray(self.slowdown(step), np.float64)
+    probe_s = time.perf_counter() - t0
+    self.stats["probe_s"] += probe_s
+    self.clock_s += mean_s * len(self._pending)
+    self._pending = []
+    self.tracker.update(times, self.clock_s)
+    self._sampled = True
+    self._step_s = mean_s if self._step_s is None else 0.7 * self._step_s + 0.3 * mean_s
+    self.controller.cost.observe(self.controller.setup, self.tracker.speeds, mean_s)
     out = {"balance/min_speed": float(np.min(self.tracker.speeds)),
-           "balance/measured_s": step_s, "balance/migrations": self.stats["migrations"]}
-    if self.decision is not None:
-      d = self.decision
+           "balance/measured_s": mean_s, "balance/migrations": self.stats["migrations"]}
+    if self._last is not None:      # the latest decision, with what the steps since then took
+      d = self._last
       out["balance/predicted_s"] = d.predicted_s.get(d.choice, d.predicted_s["current"])
       out["balance/choice"] = float(controller_lib.CANDIDATE_NAMES.index(d.choice))
       if self._log is not None:
-        record = {**d.to_json(), "measured_s": round(step_s, 6), "probe_s": round(probe_s, 6)}
+        record = {**d.to_json(), "measured_s": round(mean_s, 6), "sample_s": round(probe_s, 6),
+                  "clock_s": round(self.clock_s, 3)}
         self._log.write(json.dumps(record) + "\n")
         if d.changed:
           self._log.flush()
@@ -347,7 +361,8 @@ class Balancer:
            "layout_counts": {k: list(u.counts) for k, u in self.layout.kinds().items()},
            **self.stats}
     if total_s > 0:
-      out["measure_overhead"] = (self.stats["probe_s"] + self.stats["decide_s"]) / total_s
+      out["measure_overhead"] = self.stats["probe_s"] / total_s
+      out["decide_overhead"] = self.stats["decide_s"] / total_s
     return out
 
   def close(self):

@@ -72,12 +72,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.measure = "auto"       # auto (emulated if hetero.slowdown is set, else probe) | probe | emulated
   c.balance.capacity_factor = 2.0  # dynamic policies: bucket capacity = factor x the even share
   c.balance.num_widths = 0         # compute widths in that bucket; 0 = layout.num_widths
-  c.balance.probe_every = 1        # steps between speed probes
+  c.balance.probe_every = 4        # steps between speed samples (and decisions)
   c.balance.probe_size = 128       # probe: [size, size] matmuls ...
   c.balance.probe_repeats = 4      # ... this many in a row
   c.balance.alpha = 0.3            # smoothing weight of a new measurement
   c.balance.change_threshold = 0.2 # a speed change by this factor is a candidate new regime ...
-  c.balance.confirm = 3            # ... once it lasts this many samples (shorter: a burst)
+  c.balance.confirm = 2            # ... once it lasts this many samples (shorter: a burst)
   c.balance.hysteresis = 0.05      # a change must be predicted this much faster ...
   c.balance.patience = 2           # ... in this many decisions in a row
   c.balance.min_dwell_steps = 5    # steps between migrations at least

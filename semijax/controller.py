@@ -22,7 +22,7 @@ later, back). Candidates:
            accuracy budget also bounds time: `semi` resizes only while the slowdown is expected
            to end within `resize_horizon_steps`; a longer one is balanced without loss or not
            at all (resizing would otherwise win forever, being free to start);
-  migrate  ownership proportional to speed (capped at the bucket capacity), moved once;
+  migrate  ownership by speed on the bucket widths (`layout.bucketed_counts`), moved once;
   offload  ownership unchanged, slow devices' surplus computed by helpers every step.
 
 Hysteresis: a change must beat the current setup by `hysteresis` (relative) in `patience`
@@ -264,8 +264,10 @@ class Controller:
   # --- candidates -----------------------------------------------------------------------------
 
   def target_counts(self, speeds) -> dict:
-    """{kind: units per device} proportional to `speeds`, at most the capacity each."""
-    return {k: layout_lib.proportional_counts(self.cost.num_units[k], speeds, 1, self.capacity[k])
+    """{kind: units per device} for `speeds`: the fastest split on the compiled bucket widths
+    (`layout.bucketed_counts`), at most the capacity each."""
+    return {k: layout_lib.bucketed_counts(
+        self.cost.num_units[k], speeds, [w for w in self.cost.widths[k] if w <= self.capacity[k]])
             for k in self.cost.num_units}
 
   def resize_keep(self, owned: dict, speeds) -> tuple | None:

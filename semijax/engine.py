@@ -85,6 +85,7 @@ class Engine:
     self.param_shardings = sharding.shardings(self.axes, mesh)
     self.replicated = NamedSharding(mesh, P())
     self.batch_sharding = NamedSharding(mesh, P(mesh_lib.DATA))
+    self.feeds = mesh_lib.batch_feed(mesh)[1]     # row blocks the processes feed
     self._compiled: dict = {}
     self._packers: dict = {}   # jitted pack/unpack functions; index arrays are data
     self.compile_count = 0
@@ -214,10 +215,11 @@ class Engine:
   # --- sharded computation --------------------------------------------------------------------
 
   def shard_batch(self, batch: dict) -> dict:
-    """Host arrays (this process's rows of the global batch) -> arrays split over `data`."""
+    """Host arrays (this process's rows of the global batch, `mesh.batch_feed`) -> arrays split
+    over `data`."""
     def one(x):
       x = np.asarray(x)
-      global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+      global_shape = (x.shape[0] * self.feeds,) + x.shape[1:]
       return jax.make_array_from_process_local_data(self.batch_sharding, x, global_shape)
     return jax.tree.map(one, batch)
 

@@ -34,3 +34,25 @@ def make_mesh(data: int, tensor: int, devices=None) -> jax.sharding.Mesh:
         f"{len(devices)} are available")
   return jax.make_mesh((data, tensor), AXES, devices=devices[: data * tensor],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def batch_feed(mesh: jax.sharding.Mesh) -> tuple[int, int]:
+  """(i, n): this process feeds row block i of n equal blocks of every global batch.
+
+  Processes whose devices hold the same `data` indices feed the same rows: with data = 1 and a
+  tensor axis across processes, every process feeds the whole batch; with one data replica per
+  process, each feeds its own block.
+
+  Raises:
+    ValueError: if the processes' data indices do not split the `data` axis into equal blocks.
+  """
+  devices = np.asarray(mesh.devices)
+  rows = {}
+  for r in range(devices.shape[0]):
+    for d in devices[r].reshape(-1):
+      rows.setdefault(d.process_index, set()).add(r)
+  blocks = sorted({tuple(sorted(v)) for v in rows.values()})
+  if len({len(b) for b in blocks}) != 1 or len({r for b in blocks for r in b}) != sum(
+      len(b) for b in blocks):
+    raise ValueError(f"mesh: processes hold data indices {blocks}, not equal disjoint blocks")
+  return blocks.index(tuple(sorted(rows[jax.process_index()]))), len(blocks)

@@ -84,7 +84,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     FloatingPointError: a NaN or infinite loss (the last good checkpoint stays intact).
   """
   parsed = config_lib.validate(config, jax.device_count(), jax.process_count())
-  dataset = data_lib.build(config, jax.process_index(), jax.process_count())
+  feed_index, feeds = mesh_lib.batch_feed(mesh_lib.make_mesh(config.mesh.data, config.mesh.tensor))
+  dataset = data_lib.build(config, feed_index, feeds)
   engine = build_engine(config, parsed)
   layout = balance_lib.Balancer.initial_layout(config, parsed)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from semijax import controller as ctl
+from semijax import layout as layout_lib
 from semijax import speed
 
 OWNED = {"mlp": (4, 4), "heads": (1, 1)}
@@ -26,7 +27,7 @@ def cost_model(move_s=0.5):
 
 def controller(policy="semi", **kw):
   settings = ctl.Settings(policy=policy, **kw)
-  return ctl.Controller(settings, cost_model(), ctl.Setup.of(OWNED), {"mlp": 7, "heads": 1},
+  return ctl.Controller(settings, cost_model(), ctl.Setup.of(OWNED), {"mlp": 6, "heads": 1},
                         unit_bytes={"mlp": 1e6, "heads": 0.0})
 
 
@@ -59,11 +60,15 @@ def test_cost_model_fits_fixed_and_per_load_once_load_varies():
   assert cost.per_load_s == pytest.approx(0.6, rel=1e-6)
 
 
-def test_target_counts_are_proportional_and_capped():
+def test_target_counts_follow_speed_on_bucket_widths_and_capacity():
   c = controller()
-  assert c.target_counts(SLOW)["mlp"] == (6, 2)     # worked out in the module doc of this test
-  assert c.target_counts((1.0, 0.1))["mlp"] == (7, 1)    # capped at capacity 7
+  assert c.target_counts(SLOW)["mlp"] == (6, 2)          # widths 6 and 2: times 6 and 4
+  assert c.target_counts((1.0, 0.1))["mlp"] == (6, 2)    # capped at capacity 6
   assert c.target_counts(EVEN)["mlp"] == (4, 4)
+  # Proportional rounding gives (5, 3), which executes widths (6, 4): time max(6, 8) = 8; the
+  # bucketed split (6, 2) finishes in max(6, 4) = 6.
+  assert layout_lib.proportional_counts(8, (1.0, 0.6)) == (5, 3)
+  assert layout_lib.bucketed_counts(8, (1.0, 0.6), (2, 4, 6, 8)) == (6, 2)
 
 
 def test_semi_keep_equalizes_within_budget():
