@@ -143,22 +143,46 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     pass   # the whole group is gone already
 
 
+def _live_members(pgids: set[int]) -> list[int]:
+  """Pids of the processes, zombies excepted, in the process groups `pgids` (from /proc)."""
+  live = []
+  for name in os.listdir("/proc"):
+    if name.isdigit():
+      try:
+        with open(f"/proc/{name}/stat") as f:
+          fields = f.read().rsplit(")", 1)[1].split()   # after "(command)": state, ppid, pgrp
+      except OSError:
+        continue   # exited meanwhile
+      if fields[0] != "Z" and int(fields[2]) in pgids:
+        live.append(int(name))
+  return live
+
+
 def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
-  """SIGTERM every group, SIGKILL after grace_s, reap; returns only when all are reaped."""
+  """SIGTERM every group, SIGKILL after grace_s; returns once no member of a group runs.
+
+  The children are reaped; their own children (orphans now) may remain as zombies until init
+  reaps them, but none runs.
+  """
+  pgids = {p.pid for p in procs}
   try:
     for p in procs:
       _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and None in [p.poll() for p in procs]:
+    while time.monotonic() < deadline and (None in [p.poll() for p in procs] or
+                                           _live_members(pgids)):
       time.sleep(_POLL_S)
   finally:   # also on a second Ctrl-C during the grace period
     for p in procs:
       _signal_group(p, signal.SIGKILL)   # stragglers in the group too, even if the leader exited
-    for p in procs:
-      try:
-        p.wait(timeout=_REAP_S)
-      except subprocess.TimeoutExpired:   # unkillable (e.g. uninterruptible sleep): say so
-        print(f"semijax.launch: pid {p.pid} did not die after SIGKILL", file=sys.stderr)
+    deadline = time.monotonic() + _REAP_S
+    while time.monotonic() < deadline and (None in [p.poll() for p in procs] or
+                                           _live_members(pgids)):
+      time.sleep(_POLL_S)
+    if left := [p.pid for p in procs if p.poll() is None] + _live_members(pgids):
+      # Unkillable (e.g. in uninterruptible sleep): say so rather than wait forever.
+      print(f"semijax.launch: pids {left} still alive {_REAP_S:g} s after SIGKILL",
+            file=sys.stderr)
 
 
 def _tail(path: str, nbytes: int = _TAIL_BYTES) -> str:
