@@ -6,13 +6,12 @@ devices.
 """
 
 import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from semijax import launch
 from semijax import metrics
 from semijax import train
 from train_test import ROOT, tiny_gpt
@@ -24,35 +23,16 @@ OVERRIDES = {"model.seq_len": 16, "model.d_model": 32, "model.num_heads": 8, "mo
 TIMEOUT_S = 300
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   workdir = tmp_path / "multi"
-  port = free_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
          "--config", os.path.join(ROOT, "configs", "gpt_tiny.py:cpu,tensor=4,data=2"),
-         "--workdir", str(workdir), f"--coordinator_address=127.0.0.1:{port}",
-         "--num_processes=2"] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
-  logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
-  procs = [subprocess.Popen(cmd + [f"--process_id={i}"], env=env, stdout=logs[i],
-                            stderr=subprocess.STDOUT) for i in range(2)]
-  try:
-    codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-    for f in logs:
-      f.close()
-  assert codes == [0, 0], (tmp_path / "process0.log").read_text()[-3000:] + (
-      tmp_path / "process1.log").read_text()[-3000:]
+         "--workdir", str(workdir)] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+  result = launch.launch(cmd, 2, devices_per_process=4, timeout_s=TIMEOUT_S,
+                         log_dir=str(tmp_path))
+  assert result.returncodes == [0, 0], (result.failure_message() or
+                                        open(result.log_paths[0]).read()[-3000:])
 
   config = tiny_gpt(tensor=4, steps=4, mlp=(10, 30, 4, 20), heads=(3, 1, 2, 2))
   config.mesh.data = 2
