@@ -26,6 +26,7 @@ reason, predicted and measured step times.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -115,18 +116,21 @@ class Balancer:
     self.migrator = None
     self.measure = b.measure
     if self.measure == "auto":
-      self.measure = "emulated" if self.profile is not None else "probe"
+      self.measure = ("emulated" if self.profile is not None else
+                      "sched" if speed_lib.SchedShare.available() else "probe")
     if self.policy in DYNAMIC:
       self.tracker = speed_lib.SpeedTracker(layout.num_devices, alpha=b.alpha,
                                             threshold=b.change_threshold, confirm=b.confirm)
       if self.measure == "probe":
         self.probe = speed_lib.Probe(b.probe_size, b.probe_repeats)
+      elif self.measure == "sched":
+        self.probe = speed_lib.SchedShare()
       self.controller = controller_lib.Controller(
           parsed.balance, self._cost_model(config), controller_lib.Setup.of(
               {k: u.counts for k, u in layout.kinds().items()}),
           {k: u.capacity for k, u in layout.kinds().items()}, self._unit_bytes())
       if self.policy in ("migrate", "semi"):
-        self.migrator = migrate_lib.Migrator.for_engine(engine)
+        self.migrator = engine.migrator()
     self.probe_every = int(b.probe_every)
     self.decision = None
     self._plans: dict = {}
@@ -156,6 +160,9 @@ class Balancer:
     if parsed.balance.policy in DYNAMIC:
       b = config.balance
       layout = bucket_layout(layout, b.capacity_factor, b.num_widths or config.layout.num_widths)
+    elif parsed.resize is None:     # a fixed split executes exactly its counts: compile only those
+      layout = layout_lib.Layout(**{k: dataclasses.replace(u, widths=tuple(sorted(set(u.counts))))
+                                    for k, u in layout.kinds().items()})
     return layout
 
   def _cost_model(self, config) -> controller_lib.CostModel:
@@ -261,9 +268,14 @@ class Balancer:
     dt = time.perf_counter() - t0
     self.stats["migrations"] += 1
     self.stats["migrate_s"] += dt
-    self.controller.cost.observe_move(dt)
+    self._observe_move(dt)
     self.layout = new
     return state
+
+  def _observe_move(self, seconds: float) -> None:
+    """Calibrates the move cost with the slowest process's time (decision inputs are shared)."""
+    _, seconds = speed_lib.gather_times({}, seconds)
+    self.controller.cost.observe_move(seconds)
 
   def after_step(self, step: int, step_s: float) -> dict:
     """Takes the measured seconds of 0-based `step`'s train step; returns scalars to log."""
@@ -305,8 +317,11 @@ class Balancer:
       out["balance/predicted_s"] = d.predicted_s.get(d.choice, d.predicted_s["current"])
       out["balance/choice"] = float(controller_lib.CANDIDATE_NAMES.index(d.choice))
       if self._log is not None:
+        cost = self.controller.cost
         record = {**d.to_json(), "measured_s": round(mean_s, 6), "sample_s": round(probe_s, 6),
-                  "clock_s": round(self.clock_s, 3)}
+                  "clock_s": round(self.clock_s, 3),
+                  "cost": {"fixed_s": round(cost.fixed_s, 5), "per_load_s": round(cost.per_load_s, 5),
+                           "move_s": round(cost.move_s, 5)}}
         self._log.write(json.dumps(record) + "\n")
         if d.changed:
           self._log.flush()
@@ -341,10 +356,12 @@ class Balancer:
       back = migrate_lib.plan(there, self.layout)
       state = self.migrator.migrate_state(state, migrate_lib.plan(self.layout, there),
                                           engine.tx, engine.axes)
+      jax.block_until_ready(state)
+      speed_lib.gather_times({})        # a barrier: time the move, not a process still compiling
       t0 = time.perf_counter()
       state = self.migrator.migrate_state(state, back, engine.tx, engine.axes)
       jax.block_until_ready(state)
-      self.controller.cost.observe_move(time.perf_counter() - t0)
+      self._observe_move(time.perf_counter() - t0)
     self.compiles_at_warmup = compiles.count()
     return state
 
@@ -358,6 +375,7 @@ class Balancer:
     after = None if self.compiles_at_warmup is None else compiles.count() - self.compiles_at_warmup
     out = {"policy": self.policy, "compiles_after_warmup": self.stats["step_compiles"],
            "compiles_elsewhere": None if after is None else after - self.stats["step_compiles"],
+           "move_s": None if self.controller is None else self.controller.cost.move_s,
            "layout_counts": {k: list(u.counts) for k, u in self.layout.kinds().items()},
            **self.stats}
     if total_s > 0:

@@ -69,7 +69,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Balancing (semijax.balance, semijax.controller): who does how much work, online.
   c.balance = ml_collections.ConfigDict()
   c.balance.policy = "static"      # even | static | resize | migrate | offload | semi
-  c.balance.measure = "auto"       # auto (emulated if hetero.slowdown is set, else probe) | probe | emulated
+  # Speeds from: "emulated" (the hetero.slowdown profile), "sched" (Linux scheduler stats: the
+  # CPU share each process gets), "probe" (timing a small matmul); "auto": emulated if
+  # hetero.slowdown is set, else sched where available, else probe.
+  c.balance.measure = "auto"
   c.balance.capacity_factor = 2.0  # dynamic policies: bucket capacity = factor x the even share
   c.balance.num_widths = 0         # compute widths in that bucket; 0 = layout.num_widths
   c.balance.probe_every = 4        # steps between speed samples (and decisions)
@@ -85,7 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.resize_budget = 0.5    # semi: the largest share of a device's units it may skip
   c.balance.resize_keep = 0.5      # resize policy: keep ratio of a slow device (the authors')
   c.balance.resize_penalty = 0.05  # accuracy cost of resizing, as a share of step time
-  c.balance.resize_horizon_steps = 16  # semi resizes only slowdowns expected to end within this
+  c.balance.resize_horizon_steps = 8  # semi resizes only slowdowns expected to end within this
   c.balance.fixed_fraction = 0.1   # cost model prior: share of a step that no split changes
 
   # ZERO-resizing (semijax.resize): who computes only part of its units, and how.
@@ -279,9 +282,9 @@ def parse_balance(config, slowdown, resize) -> controller_lib.Settings:
     settings.validate()
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  if b.measure not in ("auto", "probe", "emulated"):
-    raise ConfigError(f"config.balance.measure: {b.measure!r} is not 'auto', 'probe' or "
-                      "'emulated'")
+  if b.measure not in ("auto", "sched", "probe", "emulated"):
+    raise ConfigError(f"config.balance.measure: {b.measure!r} is not 'auto', 'sched', 'probe' "
+                      "or 'emulated'")
   if b.measure == "emulated" and slowdown is None:
     raise ConfigError("config.balance.measure: 'emulated' needs config.hetero.slowdown")
   if not b.capacity_factor >= 1:

@@ -76,10 +76,9 @@ class Injector:
                seed: int = 0, start_on: bool = True):
     if pattern not in PATTERNS:
       raise ValueError(f"pattern: {pattern!r} is not one of {PATTERNS}")
-    available = os.sched_getaffinity(0)
+    available = launch.machine_cores()
     if not isinstance(core, int) or core not in available:
-      raise ValueError(f"core: {core!r} is not among the cores this process may use "
-                       f"{sorted(available)}")
+      raise ValueError(f"core: {core!r} is not among this machine's cores {sorted(available)}")
     for name, value in (("on_s", on_s), ("off_s", off_s)):
       if not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}: need a positive number of seconds, got {value!r}")

@@ -109,6 +109,7 @@ class CostModel:
     self.bytes_per_s = bytes_per_s
     self.forget = 0.9
     self._sums = np.zeros(5)   # faded sums of 1, x, y, x^2, xy (see observe)
+    self._sums_y2 = 0.0
 
   def executed(self, kind: str, count: int) -> int:
     """The bucket width a device with `count` computed units of `kind` executes."""
@@ -152,22 +153,25 @@ class CostModel:
     """Calibrates from one measured step (without migration time) of `setup` at `speeds`.
 
     A least-squares line through recent (critical load, seconds) points (older points fade by
-    `forget` per step) gives `fixed_s` and `per_load_s` once the load has varied by more than 5%;
-    until then `fixed_s` stays at its prior (`fixed_fraction` of the first step) and
-    `per_load_s` follows the measurements.
+    `forget` per step) gives `fixed_s` and `per_load_s` once the load has varied (std above 10%)
+    and the line explains at least half the variance of the times; otherwise `fixed_s` stays
+    (at first `fixed_fraction` of the first step) and `per_load_s` follows the measurements.
     """
     x = self.critical(setup, speeds)
     y = measured_s
     if not (y > 0 and math.isfinite(y)) or x <= 0:
       return
     self._sums = self._sums * self.forget + np.array([1.0, x, y, x * x, x * y])
+    self._sums_y2 = self._sums_y2 * self.forget + y * y
     n, sx, sy, sxx, sxy = self._sums
     mx, my = sx / n, sy / n
     var = sxx / n - mx * mx
-    if var > (0.05 * mx) ** 2:
-      b = (sxy / n - mx * my) / var
+    vary = self._sums_y2 / n - my * my
+    if var > (0.1 * mx) ** 2 and vary > 0:
+      cov = sxy / n - mx * my
+      b = cov / var
       a = my - b * mx
-      if b > 0 and 0 <= a < my:
+      if b > 0 and 0 <= a < my and cov * cov / (var * vary) >= 0.5:   # the line explains the data
         self.fixed_s, self.per_load_s = a, b
         return
     if self.fixed_s is None:
@@ -193,7 +197,7 @@ class Settings:
   resize_budget: float = 0.5
   resize_keep: float = 0.5
   resize_penalty: float = 0.05
-  resize_horizon_steps: float = 16
+  resize_horizon_steps: float = 8
   keep_grid: int = 8
 
   def validate(self) -> "Settings":

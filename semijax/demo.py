@@ -1,13 +1,18 @@
 """The README demo as library functions (used by experiments/demo.py and the quickstart notebook).
 
-One tensor device is emulated `factor` times slower. `gpt_tiny:cpu` is trained twice with the
-same seed and data: with the even split, and with a speed-proportional uneven split in which the
-slow device owns fewer heads and MLP units. Both compute the same model, so their losses agree;
-the uneven split is faster because the slow device no longer holds everyone up.
+One tensor device is emulated `factor` times slower. `gpt_tiny:cpu` is trained three times with
+the same seed and data:
+  even          plain TP: every device owns the same share, the straggler holds everyone up;
+  proportional  the oracle: a fixed split proportional to the (known) speeds;
+  semi          SEMI-migration: starts from the even split, measures the speeds while training
+                and decides online (resize at first, then migrate units off the slow device).
+Even and proportional compute the same model, so their losses agree; semi's losses leave them
+only while it resizes.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 
@@ -23,7 +28,7 @@ NUM_DEVICES = 8
 
 def configs(steps: int, slow_device: int = 3, factor: float = 4.0,
             config_path: str = os.path.join(ROOT, "configs", "gpt_tiny.py:cpu")) -> dict:
-  """{"even": config, "proportional": config}, both with the same emulated straggler."""
+  """{"even", "proportional", "semi": config}, all with the same emulated straggler."""
   slowdown = tuple(factor if d == slow_device else 1.0 for d in range(NUM_DEVICES))
   even = config_lib.load(config_path)
   even.steps = steps
@@ -31,7 +36,11 @@ def configs(steps: int, slow_device: int = 3, factor: float = 4.0,
   even.log_every = max(steps // 6, 1)
   even.checkpoint_every = 0
   even.hetero.slowdown = slowdown
-  return {"even": even, "proportional": config_lib.speed_proportional(even, slowdown)}
+  semi = copy.deepcopy(even)
+  semi.balance.policy = "semi"
+  semi.balance.num_widths = 8     # room to move units in steps of 1/8 of the bucket
+  return {"even": even, "proportional": config_lib.speed_proportional(even, slowdown),
+          "semi": semi}
 
 
 def run(name: str, config) -> dict:
@@ -46,27 +55,32 @@ def summarize(results: dict, cfgs: dict) -> tuple[dict, str]:
   base = results["even"]["tokens_per_s"]
   rows, runs = [], {}
   for name, r in results.items():
-    c = cfgs[name]
-    mlp = config_lib.parse_counts(c.layout.mlp, "mlp")
-    heads = config_lib.parse_counts(c.layout.heads, "heads")
+    counts = r["balance"]["layout_counts"]         # at the end of the run
+    mlp, heads = tuple(counts["mlp"]), tuple(counts["heads"])
     rows.append([name, str(mlp), str(heads), r["mean_step_time_s"] * 1e3, r["tokens_per_s"],
-                 r["tokens_per_s"] / base, r["val/loss"]])
+                 r["tokens_per_s"] / base, r["val/loss"], r["balance"]["migrations"],
+                 r["balance"]["compiles_after_warmup"]])
     runs[name] = {k: r[k] for k in ("mean_step_time_s", "tokens_per_s", "val/loss",
                                     "val/accuracy", "step_times_s", "losses")}
     runs[name]["layout"] = {"mlp": mlp, "heads": heads}
+    runs[name]["balance"] = {k: v for k, v in r["balance"].items() if k != "layout_counts"}
   slowdown = tuple(cfgs["even"].hetero.slowdown)
   diff = float(np.max(np.abs(np.subtract(results["even"]["losses"],
                                          results["proportional"]["losses"]))))
   payload = {"slowdown": slowdown, "steps": cfgs["even"].steps, "runs": runs,
              "speedup": results["proportional"]["tokens_per_s"] / base,
              "max_abs_loss_difference": diff}
+  if "semi" in results:
+    payload["semi_speedup"] = results["semi"]["tokens_per_s"] / base
+    payload["semi_vs_proportional"] = (results["semi"]["tokens_per_s"] /
+                                       results["proportional"]["tokens_per_s"])
   table = report.markdown_table(
-      ["layout", "MLP units per device", "heads per device", "ms/step", "tokens/s",
-       "throughput vs even", "final val loss"], rows)
+      ["run", "MLP units per device (end)", "heads per device (end)", "ms/step", "tokens/s",
+       "throughput vs even", "final val loss", "migrations", "compiles after warm-up"], rows)
   slow = int(np.argmax(slowdown))
   table += (f"\nDevice {slow} is {slowdown[slow]:g}x slower (emulated). Largest difference "
-            f"between the two runs' training losses over {cfgs['even'].steps} steps: "
-            f"{diff:.2e}.\n")
+            f"between the even and proportional runs' training losses over "
+            f"{cfgs['even'].steps} steps: {diff:.2e}.\n")
   return payload, table
 
 
@@ -91,7 +105,7 @@ def plot(results: dict, path: str, title: str = "") -> str | None:
 
 
 def main(steps: int, slow_device: int, factor: float, out_dir: str) -> dict:
-  """Runs both, writes demo.json, demo.md and step_time.png to out_dir; returns the payload."""
+  """Runs all three, writes demo.json, demo.md and step_time.png to out_dir; returns the payload."""
   cfgs = configs(steps, slow_device, factor)
   results = {name: run(name, c) for name, c in cfgs.items()}
   payload, table = summarize(results, cfgs)

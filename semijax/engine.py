@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from semijax import layout as layout_lib
 from semijax import mesh as mesh_lib
+from semijax import migrate
 from semijax import resize as resize_lib
 from semijax import sharding
 from semijax import tp
@@ -88,6 +89,7 @@ class Engine:
     self.feeds = mesh_lib.batch_feed(mesh)[1]     # row blocks the processes feed
     self._compiled: dict = {}
     self._packers: dict = {}   # jitted pack/unpack functions; index arrays are data
+    self._migrator = None
     self.compile_count = 0
     self.trace_count = 0
 
@@ -139,6 +141,12 @@ class Engine:
                        "tensor devices")
     return tp.make_plan(layout, self.mesh, slowdown=slowdown, resize=resize, offload=offload,
                         unit_ms=self.unit_ms if slowdown is not None else None)
+
+  def migrator(self):
+    """This engine's `migrate.Migrator` (one per engine, so its compiled moves are reused)."""
+    if self._migrator is None:
+      self._migrator = migrate.Migrator.for_engine(self)
+    return self._migrator
 
   # --- parameters and optimizer state ---------------------------------------------------------
 

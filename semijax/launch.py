@@ -96,14 +96,20 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def machine_cores() -> set[int]:
+  """The cores of this machine that processes may be pinned to (not just this process's own:
+  a benchmark process pinned to core 0 may start a competitor on core 1)."""
+  return set(range(os.cpu_count() or 1)) | os.sched_getaffinity(0)
+
+
 def check_cores(cores: Sequence[int], name: str) -> None:
   """Raises ValueError naming `name` unless `cores` is a non-empty list of usable core ids."""
-  available = os.sched_getaffinity(0)
+  available = machine_cores()
   if not cores:
     raise ValueError(f"{name}: empty list of cores")
   bad = [c for c in cores if not isinstance(c, int) or c not in available]
   if bad:
-    raise ValueError(f"{name}: cores {bad} are not among the cores this process may use "
+    raise ValueError(f"{name}: cores {bad} are not among this machine's cores "
                      f"{sorted(available)}")
 
 

@@ -1,10 +1,12 @@
 """Per-device speed, measured while training: a probe, sharing between processes, change detection.
 
 Where the speeds come from:
-  * real runs (one or more processes): every process times a small fixed computation (`Probe`,
-    a local matmul chain, no collectives) on each of its devices between steps; the times are
-    shared with `gather_times`, so every process sees the same numbers and makes the same
-    decisions (the controller's inputs must be identical on every process of an SPMD program);
+  * real runs (one or more processes): every process measures its own devices between steps and
+    the numbers are shared with `gather_times`, so every process sees the same numbers and makes
+    the same decisions (the controller's inputs must be identical on every process of an SPMD
+    program). On Linux CPUs `SchedShare` reads the share of CPU time the process got while it
+    was ready to run from the kernel's scheduler statistics (exact, costs no compute); elsewhere
+    `Probe` times a small fixed computation (a local matmul chain, no collectives);
   * emulated runs (one process, fake devices): the emulated slowdown factor of each device stands
     in for its probe time (`hetero.slowdown` is exactly "time of the same work").
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 import jax
@@ -62,6 +65,57 @@ class Probe:
       self._fn(x).block_until_ready()
       out[d.id] = time.perf_counter() - t0
     return out
+
+
+class SchedShare:
+  """The share of CPU time this process got while it was ready to run (Linux scheduler stats).
+
+  For each of this process's threads the kernel counts nanoseconds on a CPU and nanoseconds
+  runnable but waiting for one (/proc/self/task/*/schedstat). Over the window since the last
+  call, share = on / (on + waiting): about 1.0 on a core of its own, 0.5 beside one CPU-bound
+  competitor. Time blocked in a collective counts as neither. `measure` reports 1 / share as the
+  relative time of a fixed amount of work on each local device (a process's devices share its
+  cores), so it plugs in where `Probe` does, without computing anything.
+  """
+
+  PATH = "/proc/self/task"
+
+  def __init__(self, devices=None):
+    self.devices = list(devices if devices is not None else jax.local_devices())
+    self._last = self._read()
+
+  @classmethod
+  def available(cls) -> bool:
+    try:
+      return os.path.isdir(cls.PATH) and cls._read_once()[0] > 0
+    except (OSError, ValueError):
+      return False
+
+  @classmethod
+  def _read_once(cls) -> tuple[int, int]:
+    on = wait = 0
+    for task in os.listdir(cls.PATH):
+      try:
+        with open(os.path.join(cls.PATH, task, "schedstat")) as f:
+          a, b, _ = f.read().split()
+      except (OSError, ValueError):     # a thread that just ended
+        continue
+      on, wait = on + int(a), wait + int(b)
+    return on, wait
+
+  def _read(self) -> tuple[int, int]:
+    return self._read_once()
+
+  def warm_up(self) -> None:
+    self._last = self._read()
+
+  def measure(self) -> dict[int, float]:
+    """{device id: 1 / share} over the window since the previous call."""
+    now = self._read()
+    on, wait = now[0] - self._last[0], now[1] - self._last[1]
+    self._last = now
+    share = on / (on + wait) if on + wait > 0 else 1.0
+    return {d.id: 1.0 / max(share, 1e-3) for d in self.devices}
 
 
 def gather_times(local: dict[int, float], extra: float = 0.0) -> tuple[dict[int, float], float]:

@@ -13,9 +13,11 @@ Metrics go to workdir/metrics.jsonl and TensorBoard files (process 0 only).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -72,8 +74,16 @@ def _evaluate(engine, params, batches, plan) -> dict:
           "val/accuracy": float(totals["correct"] / totals["count"])}
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None] | None = None,
+                       engine_cache: dict | None = None) -> dict:
   """Trains `config` in `workdir` (auto-resuming) and returns a summary of the run.
+
+  Args:
+    config: the run's ConfigDict; workdir: where checkpoints, metrics and decisions go.
+    after_warmup: called once everything is compiled, right before the first step (e.g. a
+      benchmark starts its contention there).
+    engine_cache: a dict to reuse engines (and their compiled steps) across runs in one process
+      whose model, mesh, optimizer and emulation settings match (benchmarks).
 
   Returns:
     {"steps", "train/loss", "val/loss", "val/accuracy", "mean_step_time_s", "<unit>_per_s",
@@ -86,7 +96,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
   parsed = config_lib.validate(config, jax.device_count(), jax.process_count())
   feed_index, feeds = mesh_lib.batch_feed(mesh_lib.make_mesh(config.mesh.data, config.mesh.tensor))
   dataset = data_lib.build(config, feed_index, feeds)
-  engine = build_engine(config, parsed)
+  if engine_cache is None:
+    engine = build_engine(config, parsed)
+  else:
+    key = json.dumps({k: config[k].to_dict() for k in ("model", "mesh", "optimizer", "hetero")}
+                     | {"steps": config.steps, "batch_size": config.batch_size}, sort_keys=True)
+    if key not in engine_cache:
+      engine_cache[key] = build_engine(config, parsed)
+    engine = engine_cache[key]
   layout = balance_lib.Balancer.initial_layout(config, parsed)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                      keep=config.keep_checkpoints)
@@ -103,6 +120,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     balancer.priority.load_state_dict(saved["priority"])
   eval_batches = [engine.shard_batch(b) for b in dataset.eval_batches()]
   state = balancer.warm_up(state, engine.shard_batch(dataset.train_batch(start)), eval_batches[0])
+  if jax.process_count() > 1:     # start together (a process still compiling would stall step 1)
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("semijax warm-up")
+  if after_warmup is not None:
+    after_warmup()
 
   unit = "tokens" if config.model.name == "gpt" else "images"
   items_per_step = config.batch_size * dataset.tokens_per_example

@@ -22,8 +22,9 @@ def test_outputs_are_cleared():
 def test_code_cells_run(tmp_path):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   source = "\n\n".join(c.source for c in nb.cells if c.cell_type == "code")
-  source += ("\n\nassert set(results) == {'even', 'proportional'}"
+  source += ("\n\nassert set(results) == {'even', 'proportional', 'semi'}"
              "\nassert payload['max_abs_loss_difference'] < 1e-4, payload"
+             "\nassert results['semi']['balance']['compiles_after_warmup'] == 0"
              "\nassert png is None or os.path.getsize(png) > 0"
              "\nprint('NOTEBOOK OK')\n")
   (tmp_path / "quickstart.py").write_text(source)
