@@ -39,10 +39,9 @@ def real_config(quick: bool):
   """gpt_tiny on 2 tensor devices (one per process), sized so compute dominates communication."""
   from semijax import config_lib
   c = config_lib.load(os.path.join(_root(), "configs", "gpt_tiny.py") + ":cpu,tensor=2")
-  c.model.d_model, c.model.d_ff = 256, 1024
-  c.model.num_layers = 1 if quick else 2
-  c.batch_size = 16
-  c.steps = 60 if quick else 300
+  c.model.d_model, c.model.d_ff, c.model.num_layers = 256, 1024, 2
+  c.batch_size = 8 if quick else 16
+  c.steps = 50 if quick else 300
   c.eval_every = c.steps
   c.log_every = 20
   c.checkpoint_every = 0

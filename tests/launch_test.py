@@ -77,6 +77,30 @@ def test_two_process_training_run(tmp_path):
   assert not any(alive(p) for p in result.pids)
 
 
+@pytest.mark.slow
+def test_two_process_semi_run_shares_its_decisions(tmp_path):
+  # The benchmark's shape: one device per process on its own core, tensor = 2 across processes
+  # (every process feeds the whole batch). Speeds come from each process's scheduler share and
+  # are shared, so both take the same decisions; a divergence would hang a collective.
+  overrides = dict(TINY, **{"balance.policy": "semi", "balance.probe_every": 1, "steps": 6,
+                            "balance.num_widths": 4})
+  argv = [PY, os.path.join(ROOT, "experiments", "train.py"),
+          "--config", os.path.join(ROOT, "configs", "gpt_tiny.py:cpu,tensor=2"),
+          "--workdir", str(tmp_path / "work")] + [f"--config.{k}={v}" for k, v in overrides.items()]
+  cores = sorted(os.sched_getaffinity(0))
+  result = launch.launch(argv, 2, cores=[cores[:1], cores[-1:]], devices_per_process=1,
+                         env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "true"}, timeout_s=300,
+                         log_dir=str(tmp_path / "logs"))
+  assert result.returncodes == [0, 0], result.failure_message() or open(
+      result.log_paths[1]).read()[-3000:]
+  records = metrics.read_jsonl(str(tmp_path / "work" / "metrics.jsonl"))
+  assert [r["step"] for r in records] == list(range(1, 7))
+  decisions = metrics.read_jsonl(str(tmp_path / "work" / "decisions.jsonl"))
+  assert len(decisions) >= 4
+  assert all(len(d["speeds"]) == 2 and 0 < min(d["speeds"]) <= 1 for d in decisions)
+  assert all(d["measured_s"] > 0 and "current" in d["predicted_s"] for d in decisions)
+
+
 def test_a_failure_stops_the_others(tmp_path):
   # Process 0 also starts a grandchild: the whole process group must go, not just the leader.
   argv = by_process("g = subprocess.Popen(['sleep', '60']); print('pid', g.pid, flush=True); "
