@@ -1,7 +1,8 @@
 r"""The headline benchmark: every balancing policy under real contention and emulated stragglers.
 
-  python experiments/bench_straggler.py --quick          # all scenarios and policies, < 10 min
-  python experiments/bench_straggler.py                  # longer runs, 20 s bursts
+  python experiments/bench_straggler.py --quick          # real contention: 3 scenarios x 6 policies
+  python experiments/bench_straggler.py --quick --mode=all   # ... plus the emulated part
+  python experiments/bench_straggler.py                  # both parts, longer runs, 20 s bursts
 
 Real contention: 2 processes joined by jax.distributed (one CPU device each, tensor = 2) pinned
 to cores 0 and 1, and a competing CPU-bound process on core 1 (none / steady / bursts).
@@ -22,9 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from semijax import straggler_bench as sb  # noqa: E402
 
-_QUICK = flags.DEFINE_bool("quick", False, "Short runs (all scenarios and policies, < 10 min).")
+_QUICK = flags.DEFINE_bool("quick", False, "Short runs; the real-contention part only unless --mode.")
 _OUT = flags.DEFINE_string("out", "results/bench_straggler", "Output directory.")
-_MODE = flags.DEFINE_enum("mode", "all", ["all", "real", "emulated"], "Which part to run.")
+_MODE = flags.DEFINE_enum("mode", None, ["all", "real", "emulated"],
+                          "Which part to run (default: real with --quick, else all).")
 _SCENARIOS = flags.DEFINE_list("scenarios", list(sb.SCENARIOS), "Real-contention scenarios.")
 _EMULATED = flags.DEFINE_list("emulated", list(sb.EMULATED), "Emulated scenarios.")
 _POLICIES = flags.DEFINE_list("policies", list(sb.POLICIES), "Policies to compare.")
@@ -49,6 +51,7 @@ def main(argv):
   quick = _QUICK.value
   on_s = _ON.value or (4.0 if quick else 20.0)
   off_s = _OFF.value or (4.0 if quick else 20.0)
+  mode = _MODE.value or ("real" if quick else "all")
   _check(_SCENARIOS.value, sb.SCENARIOS, "scenarios")
   _check(_EMULATED.value, sb.EMULATED, "emulated")
   _check(_POLICIES.value, sb.POLICIES, "policies")
@@ -67,7 +70,7 @@ def main(argv):
           f"--emulated={','.join(_EMULATED.value)}", f"--policies={','.join(_POLICIES.value)}",
           f"--on_s={on_s}", f"--off_s={off_s}"]
   results = {}
-  if _MODE.value in ("all", "real"):
+  if mode in ("all", "real"):
     from semijax import launch
     if len(os.sched_getaffinity(0)) < 2:
       raise app.UsageError("the real-contention part needs 2 cores; use --mode=emulated")
@@ -83,7 +86,7 @@ def main(argv):
     results["bursts"] = raw["bursts"]
     sb.plot(raw, os.path.join(out, "throughput.png"),
             "gpt_tiny, 2 processes x 1 CPU device, competitor on core 1")
-  if _MODE.value in ("all", "emulated"):
+  if mode in ("all", "emulated"):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     subprocess.run([sys.executable, os.path.abspath(__file__), "--role=emulated"] + args,

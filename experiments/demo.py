@@ -1,7 +1,8 @@
-r"""Demo: one tensor device four times slower; even split vs a speed-proportional uneven split.
+r"""Demo: one tensor device four times slower; even split, the speed-proportional split, and semi.
 
-Trains `configs/gpt_tiny.py:cpu` twice on 8 (fake) devices with the same seed and data and an
-emulated straggler (see semijax/demo.py). Writes demo.json, demo.md and step_time.png.
+Trains `configs/gpt_tiny.py:cpu` three times on 8 (fake) devices with the same seed and data and
+an emulated straggler (see semijax/demo.py): `semi` starts from the even split and finds the
+straggler by itself. Writes demo.json, demo.md and step_time.png.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/demo.py
 """
