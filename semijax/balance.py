@@ -42,6 +42,7 @@ from semijax import hetero
 from semijax import layout as layout_lib
 from semijax import migrate as migrate_lib
 from semijax import models
+from semijax import offload as offload_lib
 from semijax import priority as priority_lib
 from semijax import speed as speed_lib
 
@@ -217,25 +218,23 @@ class Balancer:
       self._resize_version += 1
     return resize
 
-  def _offload(self):
-    setup = self.controller.setup if self.controller is not None else None
-    if setup is None or not setup.offloaded:
-      return None
-    from semijax import offload as offload_lib
-    return {k: offload_lib.for_target(u, setup.computed[k]) for k, u in self.layout.kinds().items()}
+  def _offload_for(self, computed: dict) -> dict:
+    """The offload description that makes each device compute `computed` {kind: counts}."""
+    return {k: offload_lib.for_target(u, computed[k]) for k, u in self.layout.kinds().items()}
 
   def plan(self, step: int, state):
     """The plan of 0-based `step` (cached: the same inputs give the same device arrays)."""
     keep = self.keep(step)
     slowdown = self.slowdown(step)
     resize = self._resize(step, state, keep)
-    offload = self._offload()
-    key = (self.layout, keep, slowdown, None if offload is None else repr(offload),
+    setup = None if self.controller is None else self.controller.setup
+    computed = setup.computed if setup is not None and setup.offloaded else None
+    key = (self.layout, keep, slowdown, None if computed is None else tuple(computed.items()),
            None if keep is None else self._resize_version)
     if key not in self._plans:
       if len(self._plans) > 64:
         self._plans.clear()
-      kw = {} if offload is None else {"offload": offload}
+      kw = {} if computed is None else {"offload": self._offload_for(computed)}
       self._plans[key] = self.engine.plan(self.layout, slowdown, resize, **kw)
     return self._plans[key]
 
@@ -338,12 +337,9 @@ class Balancer:
       half = tuple(0.5 for _ in range(self.layout.num_devices))
       resize = copy.deepcopy(self.priority).select(self.layout, half)
       engine.compile(state, batch, engine.plan(self.layout, self.slowdown(0), resize), eval_batch)
+    shifted = {k: _shift_one(u.counts, u.capacity) for k, u in self.layout.kinds().items()}
     if self.policy == "offload":
-      from semijax import offload as offload_lib
-      counts = {k: u.counts for k, u in self.layout.kinds().items()}
-      target = {k: _shift_one(c, u.capacity) for (k, c), u in zip(counts.items(),
-                                                                   self.layout.kinds().values())}
-      off = {k: offload_lib.for_target(u, target[k]) for k, u in self.layout.kinds().items()}
+      off = self._offload_for(shifted)
       engine.compile(state, batch, engine.plan(self.layout, self.slowdown(0), None, offload=off),
                      eval_batch)
     engine.to_logical(state, self.layout)        # checkpoints and priority refreshes
@@ -351,8 +347,7 @@ class Balancer:
       self.probe.warm_up()
       speed_lib.gather_times(self.probe.measure(), 0.0)
     if self.migrator is not None:
-      counts = {k: _shift_one(u.counts, u.capacity) for k, u in self.layout.kinds().items()}
-      there = rebalance(self.layout, counts)
+      there = rebalance(self.layout, shifted)
       back = migrate_lib.plan(there, self.layout)
       state = self.migrator.migrate_state(state, migrate_lib.plan(self.layout, there),
                                           engine.tx, engine.axes)

@@ -348,7 +348,7 @@ class Controller:
     expected_steps = expected_s / max(step_s, 1e-9)
     cands = self.candidates(speeds, expected_steps)
     pred = {name: self.predict(c, speeds, expected_steps) for name, c in cands.items()}
-    current = self._current_name(cands)
+    current = self._current_name()
     now = self.predict(self.setup, speeds, expected_steps)
     pred_now = {"current": now, **pred}
     slowest = int(np.argmin(speeds))
@@ -403,7 +403,7 @@ class Controller:
       return alt, f"{alt} meanwhile ({pred[alt]:.4g} s/step; hold: {why}); {context}"
     return current, f"stay {current} (hold: {why}); {context}"
 
-  def _current_name(self, cands: dict) -> str:
+  def _current_name(self) -> str:
     if self.setup.keep is not None:
       return "resize"
     if self.setup.offloaded:

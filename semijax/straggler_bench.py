@@ -35,33 +35,33 @@ PROFILE = (8.0, 6.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0)
 ROTATING = (8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 
 
-def real_config(quick: bool):
-  """gpt_tiny on 2 tensor devices (one per process), sized so compute dominates communication."""
+def _bench_config(arg: str, steps: int, log_every: int, num_widths: int):
+  """gpt_tiny (config argument `arg`) for benchmark runs: one evaluation at the end, no
+  checkpoints but the last, `num_widths` compute widths in the dynamic policies' bucket."""
   from semijax import config_lib
-  c = config_lib.load(os.path.join(_root(), "configs", "gpt_tiny.py") + ":cpu,tensor=2")
-  c.model.d_model, c.model.d_ff, c.model.num_layers = 256, 1024, 2
-  c.batch_size = 8 if quick else 16
-  c.steps = 50 if quick else 300
-  c.eval_every = c.steps
-  c.log_every = 20
+  c = config_lib.load(os.path.join(_root(), "configs", "gpt_tiny.py") + ":" + arg)
+  c.steps = steps
+  c.eval_every = steps
+  c.log_every = log_every
   c.checkpoint_every = 0
   c.keep_checkpoints = 1
-  c.balance.num_widths = 6
+  c.balance.num_widths = num_widths
+  return c
+
+
+def real_config(quick: bool):
+  """gpt_tiny on 2 tensor devices (one per process), sized so compute dominates communication."""
+  c = _bench_config("cpu,tensor=2", 50 if quick else 300, log_every=20, num_widths=6)
+  c.model.d_model, c.model.d_ff, c.model.num_layers = 256, 1024, 2
+  c.batch_size = 8 if quick else 16
   c.balance.capacity_factor = 1.5   # up to 768 of 1024 units: room for a 3:1 split, less padding
   return c
 
 
 def emulated_config(quick: bool, scenario: str):
   """gpt_tiny on 8 fake devices with an emulated slowdown profile."""
-  from semijax import config_lib
-  c = config_lib.load(os.path.join(_root(), "configs", "gpt_tiny.py") + ":cpu")
+  c = _bench_config("cpu", 16 if quick else 90, log_every=8, num_widths=8)
   c.model.num_layers = 1
-  c.steps = 16 if quick else 90
-  c.eval_every = c.steps
-  c.log_every = 8
-  c.checkpoint_every = 0
-  c.keep_checkpoints = 1
-  c.balance.num_widths = 8
   c.hetero.slowdown = PROFILE if scenario == "static_profile" else ROTATING
   c.hetero.rotate_every = 0 if scenario == "static_profile" else (4 if quick else 15)
   return c
@@ -262,10 +262,12 @@ def markdown(results: dict, title: str) -> str:
 
 
 def plot(raw: dict, path: str, title: str) -> None:
-  """Throughput over time per scenario (one line per policy), contention periods shaded."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  """Throughput over time per scenario (one line per policy), contention periods shaded.
+  Skipped when matplotlib is not installed."""
+  from semijax import report
+  plt = report.pyplot()
+  if plt is None:
+    return
   scenarios = list(raw["runs"])
   fig, axes = plt.subplots(len(scenarios), 1, figsize=(9, 2.8 * len(scenarios)), squeeze=False)
   for ax, scenario in zip(axes[:, 0], scenarios):
