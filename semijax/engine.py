@@ -83,6 +83,7 @@ class Engine:
     self.num_units = self._num_units()
     self.unit_ms = dict(unit_ms or {})
     self.strict = strict
+    self._exercised: set = set()
     self.param_shardings = sharding.shardings(self.axes, mesh)
     self.replicated = NamedSharding(mesh, P())
     self.batch_sharding = NamedSharding(mesh, P(mesh_lib.DATA))
@@ -123,7 +124,7 @@ class Engine:
             f"layout.{kind}: {u.num_units} units, but the model has {self.num_units[kind]}")
 
   def plan(self, layout: layout_lib.Layout, slowdown=None, resize=None,
-           offload=None) -> tp.Plan:
+           offload=None, widths=None) -> tp.Plan:
     """The device-placed plan for a step with `layout`.
 
     Args:
@@ -134,13 +135,15 @@ class Engine:
         helpers compute those units of the straggler every step, exactly. Every amount (and {})
         shares one compiled step per bucket; None is the plain path (another compiled step).
         Not combinable with `resize` (ValueError naming `offload`).
+      widths: optional {kind: compute widths} narrowing the compiled branches
+        (`tp.uniform_widths`); another compiled step.
     """
     self.check_layout(layout)
     if slowdown is not None and len(slowdown) != self.tensor_size:
       raise ValueError(f"hetero.slowdown: {len(slowdown)} factors for {self.tensor_size} "
                        "tensor devices")
     return tp.make_plan(layout, self.mesh, slowdown=slowdown, resize=resize, offload=offload,
-                        unit_ms=self.unit_ms if slowdown is not None else None)
+                        unit_ms=self.unit_ms if slowdown is not None else None, widths=widths)
 
   def migrator(self):
     """This engine's `migrate.Migrator` (one per engine, so its compiled moves are reused)."""
@@ -281,13 +284,15 @@ class Engine:
 
   # --- compiled variants ----------------------------------------------------------------------
 
-  def _key(self, kind, plan, batch):
-    # The plan's tree structure holds its static parts (widths, emulation, resize settings).
-    return (kind, jax.tree.structure(plan), _signature(plan), _signature(batch))
+  def _key(self, kind, state_or_params, plan, batch):
+    # The plan's tree structure holds its static parts (widths, emulation, resize settings);
+    # the parameter shapes hold the capacity (a narrowed plan's widths need not end at it).
+    params = state_or_params.params if kind == "train" else state_or_params
+    return (kind, tuple(x.shape for x in jax.tree.leaves(params)), jax.tree.structure(plan),
+            _signature(plan), _signature(batch))
 
   def _compiled_fn(self, kind, state_or_params, batch, plan):
-    # Parameter shapes follow from the widths (the last width of each kind is its capacity).
-    key = self._key(kind, plan, batch)
+    key = self._key(kind, state_or_params, plan, batch)
     fn = self._compiled.get(key)
     if fn is None:
       if self.strict:
@@ -312,6 +317,19 @@ class Engine:
     self._compiled_fn("train", state, batch, plan)
     self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch,
                       plan.exact())
+
+  def exercise(self, state: TrainState, batch, plan: tp.Plan) -> None:
+    """Runs every branch of `plan`'s compiled train step once (`tp.branch_plans`) on a throwaway
+    copy of `state`, so that their one-time first-run cost falls here, not in a timed step. Each
+    compiled step is exercised once per engine; `state` is left as it is."""
+    key = self._key("train", state, plan, batch)
+    if key in self._exercised:
+      return
+    self._compiled_fn("train", state, batch, plan)
+    for p in tp.branch_plans(plan, self.mesh):
+      scratch = jax.tree.map(lambda x: x.copy(), state)
+      jax.block_until_ready(self.train_step(scratch, batch, p))
+    self._exercised.add(key)
 
   def train_step(self, state: TrainState, batch, plan: tp.Plan):
     """One optimizer step; `state` is donated. Returns (new state, metrics dict of scalars)."""

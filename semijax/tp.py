@@ -82,22 +82,51 @@ class Plan:
     return dataclasses.replace(self, resize=None)
 
 
+def uniform_widths(layout: layout_lib.Layout) -> dict | None:
+  """{kind: (w,)} when, in every kind, every device executes the same bucket width w; else None.
+
+  An exact step of such a layout needs no per-device branch: with these as the plan's widths
+  it runs without `lax.switch` and without rematerializing the forward pass (about a third less
+  block compute than the multi-width step of the same layout).
+  """
+  out = {}
+  for kind, u in layout.kinds().items():
+    executed = set(u.executed_widths())
+    if len(executed) != 1:
+      return None
+    out[kind] = (executed.pop(),)
+  return out
+
+
 def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, slowdown=None,
-              unit_ms: dict | None = None, resize=None, offload=None) -> Plan:
+              unit_ms: dict | None = None, resize=None, offload=None,
+              widths: dict | None = None) -> Plan:
   """The device-placed plan for `layout` (every data leaf sharded over `tensor`).
 
   `resize` is a host-side `resize.Resize` (numpy leaves [N, L, ...]) or None.
   `offload` is None (no offload path) or {kind: {straggler: {helper: units}}}; a kind left out
   (or {}) offloads nothing but still runs the offload path, so that every amount, zero included,
   uses the same compiled step (`offload.static_shape`).
+  `widths` ({kind: ascending compute widths}, default the layout's) narrows the compiled branches,
+  e.g. to `uniform_widths(layout)`; the widest must cover every device's active count.
 
   Raises:
-    ValueError: `offload` with an unknown kind, or together with `resize` (not supported).
+    ValueError: `offload` with an unknown kind, or together with `resize` (not supported);
+      `widths` that do not cover an active count or exceed the capacity.
     LayoutError: `offload.<kind>` with a bad straggler, helper or share (`offload.make_plan`).
   """
   if offload is not None and resize is not None:
     raise ValueError("offload: cannot be combined with resize (a resized device's kept units "
                      "are a permutation, offload sends its last active slots); pass one of them")
+  kind_widths = {k: u.widths for k, u in layout.kinds().items()}
+  for kind, w in (widths or {}).items():
+    u = layout.kinds().get(kind)
+    w = tuple(int(x) for x in w)
+    if (u is None or not w or list(w) != sorted(set(w)) or w[0] < 1 or w[-1] > u.capacity
+        or w[-1] < max(u.active)):
+      raise ValueError(f"widths.{kind}: {w} must be ascending widths of a layout kind, at most "
+                       f"its capacity and covering every active count ({layout.to_json()})")
+    kind_widths[kind] = w
   shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
   put = lambda x: jax.device_put(x, shard)
   active = {k: put(np.asarray(u.active, np.int32)) for k, u in layout.kinds().items()}
@@ -107,8 +136,37 @@ def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, slowdown=No
     resize = jax.tree.map(put, resize)
   if offload is not None:
     offload = _offload_plans(layout, mesh, offload)
-  return Plan(active, slowdown, tuple((k, u.widths) for k, u in layout.kinds().items()),
+  return Plan(active, slowdown, tuple(kind_widths.items()),
               tuple(sorted((unit_ms or {}).items())), resize, offload)
+
+
+def branch_plans(plan: Plan, mesh: jax.sharding.Mesh) -> list[Plan]:
+  """Plans under which every device takes each branch of `plan`'s compiled step once.
+
+  XLA:CPU pays a one-time cost (about 0.2 s here) the first time a branch of a compiled step
+  runs; a warm-up that runs these plans pays it instead of the first timed step after a change.
+  Their results are meaningless (actives need not sum to the units): run them on a throwaway
+  state. Covers the exact branches at every width and, for a units-mode resize, the resized ones.
+  """
+  shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
+  put = lambda x: jax.device_put(x, shard)
+  n = len(next(iter(plan.active.values())))
+  widths = dict(plan.widths)
+  full = lambda k, w: put(np.full(n, w, np.int32))
+  out = []
+  for i in range(max(len(w) for w in widths.values())):
+    at = {k: w[min(i, len(w) - 1)] for k, w in widths.items()}
+    active = {k: full(k, at[k]) for k in widths}
+    if plan.resize is None:
+      out.append(dataclasses.replace(plan, active=active))
+      continue
+    r = plan.resize
+    kept = {k: put(np.full(r.kept[k].shape, at[k], np.int32)) for k in widths}
+    out.append(dataclasses.replace(plan, active=active, resize=dataclasses.replace(r, kept=kept)))
+    if r.mode == "units" and any(at[k] < widths[k][-1] for k in widths):
+      cap = {k: full(k, w[-1]) for k, w in widths.items()}     # kept < active: resized branch
+      out.append(dataclasses.replace(plan, active=cap, resize=dataclasses.replace(r, kept=kept)))
+  return out
 
 
 def _offload_plans(layout: layout_lib.Layout, mesh, offload: dict) -> dict:
