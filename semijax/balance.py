@@ -15,7 +15,12 @@ The dynamic policies (resize, migrate, offload, semi) run in one capacity bucket
 any split they may choose (`balance.capacity_factor` times the even share), so that every variant
 they need (the exact step, the resized step, the offload step, the migration collective, the speed
 probe) is compiled during warm-up and nothing compiles afterwards; `compiles_after_warmup` counts
-XLA compilations (`semijax.compiles`) after `warm_up`.
+XLA compilations (`semijax.compiles`) after `warm_up`. Warm-up also runs every branch of those
+steps once on a throwaway state (`Engine.exercise`): XLA:CPU pays about 0.2 s the first time a
+branch runs, which would otherwise land on the first step after each change.
+
+While every device executes the same width (an even split, before any migration), exact steps
+run the single-width step (`tp.uniform_widths`): no per-device branches, no rematerialization.
 
 Speeds come from `speed.Probe` timings shared between processes, or, with emulated heterogeneity,
 from the emulated slowdown profile (`config.hetero.slowdown`, optionally rotating every
@@ -45,6 +50,7 @@ from semijax import models
 from semijax import offload as offload_lib
 from semijax import priority as priority_lib
 from semijax import speed as speed_lib
+from semijax import tp
 
 DYNAMIC = ("resize", "migrate", "offload", "semi")
 
@@ -99,6 +105,8 @@ class Balancer:
     b = config.balance
     self.policy = parsed.balance.policy
     self.engine, self.layout = engine, layout
+    # Exact steps of a layout whose devices all execute one width run the single-width step.
+    self.narrow = tp.uniform_widths(layout)
     self.profile, self.rotate_every = parsed.slowdown, int(config.hetero.rotate_every)
     self.schedule = parsed.resize                     # a static config.resize schedule, or None
     self.resize_spec = parsed.resize_how
@@ -140,7 +148,8 @@ class Balancer:
     self._resize_version = 0
     self.compiles_at_warmup = None
     self.stats = {"migrations": 0, "migrate_s": 0.0, "probe_s": 0.0, "probes": 0,
-                  "decide_s": 0.0, "changes": 0, "step_compiles": 0, "decisions": 0}
+                  "decide_s": 0.0, "changes": 0, "step_compiles": 0, "decisions": 0,
+                  "single_width_steps": 0}
     self._compiles_before = None
     self._sampled = False        # a new speed sample arrived since the last decision
     self._pending = []           # step seconds since the last sample (this process)
@@ -172,7 +181,8 @@ class Balancer:
                                   seq_len=models.sequence_length(m), causal=models.is_causal(m))
     return controller_lib.CostModel(
         flops, {k: u.widths for k, u in self.layout.kinds().items()}, self.engine.num_units,
-        fixed_fraction=config.balance.fixed_fraction, alpha=config.balance.alpha)
+        fixed_fraction=config.balance.fixed_fraction, alpha=config.balance.alpha,
+        narrow=None if self.narrow is None else {k: w[0] for k, w in self.narrow.items()})
 
   def _unit_bytes(self) -> dict:
     """{kind: bytes of one unit's weights over all layers} (float32)."""
@@ -235,8 +245,15 @@ class Balancer:
       if len(self._plans) > 64:
         self._plans.clear()
       kw = {} if computed is None else {"offload": self._offload_for(computed)}
+      if resize is None and computed is None:
+        kw["widths"] = self._exact_widths(self.layout)
       self._plans[key] = self.engine.plan(self.layout, slowdown, resize, **kw)
     return self._plans[key]
+
+  def _exact_widths(self, layout) -> dict | None:
+    """The single width of the exact step when `layout` allows it (and warm-up compiled it)."""
+    uniform = tp.uniform_widths(layout)
+    return uniform if uniform is not None and uniform == self.narrow else None
 
   def before_step(self, step: int, state):
     """(state, plan) for 0-based `step`: decides (after each speed sample), migrates if the
@@ -256,7 +273,9 @@ class Balancer:
         logging.info("balance step %d: %s", step, self.decision.reason)
       if self.decision.moves:
         state = self._migrate(state, self.decision.setup.owned)
-    return state, self.plan(step, state)
+    plan = self.plan(step, state)
+    self.stats["single_width_steps"] += all(len(w) == 1 for _, w in plan.widths)
+    return state, plan
 
   def _migrate(self, state, counts: dict):
     new = rebalance(self.layout, counts)
@@ -308,7 +327,10 @@ class Balancer:
     self.tracker.update(times, self.clock_s)
     self._sampled = True
     self._step_s = mean_s if self._step_s is None else 0.7 * self._step_s + 0.3 * mean_s
-    self.controller.cost.observe(self.controller.setup, self.tracker.speeds, mean_s)
+    # Calibrate with this sample's speeds, measured over the same steps (the tracker's smoothed
+    # speeds lag a change, and would pair the new step times with the old speeds).
+    times = np.asarray(times, np.float64)
+    self.controller.cost.observe(self.controller.setup, times.min() / times, mean_s)
     out = {"balance/min_speed": float(np.min(self.tracker.speeds)),
            "balance/measured_s": mean_s, "balance/migrations": self.stats["migrations"]}
     if self._last is not None:      # the latest decision, with what the steps since then took
@@ -331,12 +353,17 @@ class Balancer:
   def warm_up(self, state, batch, eval_batch):
     """Compiles every variant this policy may use, times one migration; returns the state."""
     engine = self.engine
-    exact = engine.plan(self.layout, self.slowdown(0))
-    engine.compile(state, batch, exact, eval_batch)
+    variants = [engine.plan(self.layout, self.slowdown(0),
+                            widths=self._exact_widths(self.layout))]
+    if self.narrow is not None and self.migrator is not None:     # migrated layouts branch
+      variants.append(engine.plan(self.layout, self.slowdown(0)))
     if self.priority is not None:     # a throwaway copy: selecting marks units as seen
       half = tuple(0.5 for _ in range(self.layout.num_devices))
       resize = copy.deepcopy(self.priority).select(self.layout, half)
-      engine.compile(state, batch, engine.plan(self.layout, self.slowdown(0), resize), eval_batch)
+      variants.append(engine.plan(self.layout, self.slowdown(0), resize))
+    for plan in variants:
+      engine.compile(state, batch, plan, eval_batch)
+      engine.exercise(state, batch, plan)
     shifted = {k: _shift_one(u.counts, u.capacity) for k, u in self.layout.kinds().items()}
     if self.policy == "offload":
       off = self._offload_for(shifted)

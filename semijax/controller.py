@@ -4,13 +4,16 @@ A *setup* says what every tensor device owns and computes in a step (`Setup`). T
 knows the current setup and the measured relative speeds; it builds candidate setups and predicts
 the step time of each with `CostModel`:
 
-  step(setup) = fixed + per_load * max_d(load_d / speed_d)          (compute, bucket-quantized)
+  step(setup) = fixed + per_load * b * max_d(load_d / speed_d)      (compute, bucket-quantized)
               + per-step extra (offload: weights out, gradients back)
               + move cost / expected steps                          (migration, amortized)
               + resize_penalty * compute                            (resizing costs accuracy)
 
 `load_d` is the share of the model's FLOPs that device d *executes*: its computed units of each
 kind rounded up to the compiled bucket width (that is what `tp` runs), weighted by FLOPs per unit.
+`b` is 1 for an exact setup in which every device executes the same width (the single-width
+step, `tp.uniform_widths`), else 1 + `branch_overhead` (per-device branches rematerialize the
+forward pass).
 `fixed` and `per_load` are calibrated online from measured step times; the move cost from a timed
 migration. A migration is amortized over how long the current speeds are expected to last
 (`speed.SpeedTracker.expected_remaining_s`) and charged twice while someone is slow (there and,
@@ -29,7 +32,7 @@ Hysteresis: a change must beat the current setup by `hysteresis` (relative) in `
 consecutive decisions, and migrations are at least `min_dwell_steps` apart; while a migration
 waits, the best setup that moves nothing is used (so a new slowdown is first resized, then
 migrated once migrating pays). Leaving resizing for an exact setup (exact, or migrate when it is
-predicted faster) needs no margin, since resizing costs accuracy. Every decision carries its
+predicted faster) needs no margin (and migrate no patience), since resizing costs accuracy. Every decision carries its
 reason and its predictions.
 """
 
@@ -44,6 +47,7 @@ import numpy as np
 from semijax import layout as layout_lib
 from semijax import resize as resize_lib
 
+BRANCH_OVERHEAD = 1 / 3
 POLICIES = ("even", "static", "resize", "migrate", "offload", "semi")
 CANDIDATE_NAMES = ("exact", "resize", "migrate", "offload")
 CANDIDATES = {"resize": ("exact", "resize"), "migrate": ("exact", "migrate"),
@@ -91,11 +95,16 @@ class CostModel:
     alpha: EWMA weight of a new measurement.
     move_s: seconds of one migration (calibrated by `observe_move`).
     bytes_per_s: bandwidth for per-step offload traffic.
+    narrow: {kind: w}: an exact setup in which every device executes width w of every kind runs
+      the single-width step (`tp.uniform_widths`); any other setup runs the branched one.
+    branch_overhead: extra compute of the branched step per unit of load (it rematerializes the
+      forward pass, a third of forward plus backward).
   """
 
   def __init__(self, unit_flops: dict, widths: dict, num_units: dict, *,
                fixed_fraction: float = 0.1, alpha: float = 0.3, move_s: float = 0.0,
-               bytes_per_s: float = 1e9):
+               bytes_per_s: float = 1e9, narrow: dict | None = None,
+               branch_overhead: float = BRANCH_OVERHEAD):
     if not 0 <= fixed_fraction < 1:
       raise ValueError(f"balance.fixed_fraction: must be in [0, 1), got {fixed_fraction}")
     self.unit_flops = dict(unit_flops)
@@ -107,6 +116,8 @@ class CostModel:
     self.per_load_s = None
     self.move_s = move_s
     self.bytes_per_s = bytes_per_s
+    self.narrow = dict(narrow or {})
+    self.branch_overhead = branch_overhead
     self.forget = 0.9
     self._sums = np.zeros(5)   # faded sums of 1, x, y, x^2, xy (see observe)
     self._sums_y2 = 0.0
@@ -131,9 +142,20 @@ class CostModel:
         out[d] += self.unit_flops[kind] * (self.executed(kind, own) + helped)
     return out / self.total
 
+  def branched(self, setup: Setup) -> bool:
+    """Whether `setup` runs the branched (rematerializing) step while a single-width one exists
+    (without `narrow`, every setup runs the same kind of step: False)."""
+    if not self.narrow:
+      return False
+    if setup.keep is not None or setup.offloaded:
+      return True
+    return any(self.executed(k, c) != self.narrow.get(k)
+               for k, counts in setup.owned.items() for c in counts)
+
   def critical(self, setup: Setup, speeds) -> float:
-    """max_d load_d / speed_d."""
-    return float(np.max(self.loads(setup) / np.asarray(speeds, np.float64)))
+    """max_d load_d / speed_d, times 1 + `branch_overhead` for the branched step."""
+    factor = 1 + self.branch_overhead if self.branched(setup) else 1.0
+    return factor * float(np.max(self.loads(setup) / np.asarray(speeds, np.float64)))
 
   def offload_bytes(self, setup: Setup, unit_bytes: dict) -> float:
     """Bytes sent per step for offloaded units: their weights out and gradients back."""
@@ -381,13 +403,15 @@ class Controller:
     moving = cands[best].owned != self.setup.owned
     if current == "resize" and best == "exact":     # stop resizing at once: it costs accuracy
       return best, f"exact: resizing no longer pays ({pred[best]:.4g} vs {now:.4g} s/step); {context}"
-    if gain < s.hysteresis and not (current == "resize" and best == "migrate"):
+    # Resizing already waited for its patience; trading it for a lossless split needs none.
+    from_resize = current == "resize" and best == "migrate"
+    if gain < s.hysteresis and not from_resize:
       why = f"{best} gains {gain:.1%} < hysteresis {s.hysteresis:.0%}"
     else:
       streak = self._streak[1] + 1 if self._streak[0] == best else 1
       self._streak = (best, streak)
       dwell = step - self.last_move_step
-      if streak < s.patience:
+      if streak < s.patience and not from_resize:
         why = f"{best} wins {streak}/{s.patience} decisions"
       elif moving and dwell < s.min_dwell_steps:
         why = f"last migration {dwell} steps ago < {s.min_dwell_steps}"

@@ -47,6 +47,8 @@ def test_migrate_moves_work_off_the_slow_device_without_loss(tmp_path, even):
   summary, workdir = run(tmp_path, "migrate")
   b = summary["balance"]
   assert b["migrations"] >= 1 and b["compiles_after_warmup"] == 0
+  # The even start runs the single-width step, the migrated split the branched one.
+  assert 1 <= b["single_width_steps"] < 8 and even["balance"]["single_width_steps"] == 8
   mlp = b["layout_counts"]["mlp"]
   assert mlp[0] < min(mlp[1:]) and sum(mlp) == 64
   np.testing.assert_allclose(summary["losses"], even["losses"], rtol=1e-5)

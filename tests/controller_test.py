@@ -50,6 +50,23 @@ def test_cost_model_hand_computed():
   assert cost.offload_bytes(off, {"mlp": 1e6}) == 2 * 2 * 1e6
 
 
+def test_cost_model_charges_the_branched_step():
+  # With a single-width step at width 4, the even exact setup runs it (factor 1); every other
+  # setup runs the branched step, which rematerializes the forward: factor 1 + 1/3.
+  cost = ctl.CostModel({"mlp": 1.0, "heads": 0.0}, {"mlp": (2, 4, 6, 8), "heads": (1, 2)},
+                       {"mlp": 8, "heads": 2}, fixed_fraction=0.1, narrow={"mlp": 4, "heads": 1})
+  cost.observe(ctl.Setup.of(OWNED), SLOW, 1.0)        # as above: fixed 0.1, per_load 0.9
+  assert cost.per_load_s == pytest.approx(0.9)
+  assert not cost.branched(ctl.Setup.of(OWNED))
+  moved = ctl.Setup.of({"mlp": (6, 2), "heads": (1, 1)})
+  assert cost.branched(moved) and cost.branched(ctl.Setup(OWNED, OWNED, (1.0, 0.5)))
+  assert cost.compute_s(moved, SLOW) == pytest.approx(0.1 + 0.9 * 4 / 3 * 0.75)
+  assert cost.compute_s(ctl.Setup(OWNED, OWNED, (1.0, 0.5)), SLOW) == pytest.approx(
+      0.1 + 0.9 * 4 / 3 * 0.5)
+  # (3, 5) executes widths (4, 6): not one width, so branched.
+  assert cost.branched(ctl.Setup.of({"mlp": (3, 5), "heads": (1, 1)}))
+
+
 def test_cost_model_fits_fixed_and_per_load_once_load_varies():
   cost = ctl.CostModel({"mlp": 1.0}, {"mlp": (2, 4, 6, 8)}, {"mlp": 8}, fixed_fraction=0.5)
   truth = lambda setup, s: 0.2 + 0.6 * cost.critical(setup, s)   # a = 0.2, b = 0.6
@@ -110,16 +127,17 @@ def test_semi_resizes_a_new_slowdown_then_migrates_then_moves_back():
   # Patience 2: the slowdown is resized at its second decision, within the 5-step horizon.
   assert by_step[3][0] == "exact" and by_step[4] == ("resize", (4, 4), (1.0, 0.5))
   # Step 9 is beyond the horizon (expected 6 steps > 5): no more resizing. Migrating predicts
-  # 0.775 + 2 * 0.5 / 6 = 0.94 < 1.0 but waits for patience (exact meanwhile), then moves.
-  assert by_step[8][0] == "resize" and by_step[9] == ("exact", (4, 4), None)
+  # 0.775 + 2 * 0.5 / 6 = 0.94 < 1.0 and, replacing a resize, moves at once (no patience, so
+  # no exact steps in between).
+  assert by_step[8][0] == "resize" and by_step[9] == ("migrate", (6, 2), None)
   migrated = [s for s, ch, owned, keep in choices if owned == (6, 2)]
-  assert migrated[0] == 10 and by_step[10] == ("migrate", (6, 2), None)
+  assert migrated[0] == 9
   assert all(by_step[s][2] is None for s in range(migrated[0], 40))
   # After the slowdown ends (step 25), staying at (6, 2) costs 0.775 s; moving back 0.55 s plus
   # 0.5 s / expected steps: 7.5% better at step 28 (patience 1/2), so it moves back at step 29.
   back = [s for s in range(25, 40) if by_step[s][1] == (4, 4)][0]
   assert back == 29 and all(by_step[s][1] == (4, 4) for s in range(back, 40))
-  assert changes == 4      # resize, exact, migrate, migrate back: no thrashing
+  assert changes == 3      # resize, migrate, migrate back: no thrashing
 
 
 def test_hysteresis_ignores_small_gains_and_noise():
