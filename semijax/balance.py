@@ -79,6 +79,23 @@ def bucket_layout(layout: layout_lib.Layout, factor: float, num_widths: int) -> 
   return layout_lib.Layout(**kinds)
 
 
+def tight_layout(big: layout_lib.Layout) -> layout_lib.Layout:
+  """`big` (same owners) at the capacity of its largest count, with the widths of `big` below
+  it: the bucket an even split lives in between migrations (no padded slack to update)."""
+  kinds = {}
+  for kind, u in big.kinds().items():
+    cap = max(u.counts)
+    kinds[kind] = u.replace(capacity=cap, widths=tuple(w for w in u.widths if w < cap) + (cap,))
+  return layout_lib.Layout(**kinds)
+
+
+def bucket_like(layout: layout_lib.Layout, bucket: layout_lib.Layout) -> layout_lib.Layout:
+  """`layout`'s owners at the capacity and widths of `bucket`."""
+  return layout_lib.Layout(**{k: u.replace(capacity=bucket.kinds()[k].capacity,
+                                           widths=bucket.kinds()[k].widths)
+                              for k, u in layout.kinds().items()})
+
+
 def rebalance(layout: layout_lib.Layout, target: dict) -> layout_lib.Layout:
   """A layout with `target` {kind: counts}, moving as few units as possible: devices above their
   target hand their last units to devices below theirs (same capacity and widths)."""
@@ -105,8 +122,13 @@ class Balancer:
     b = config.balance
     self.policy = parsed.balance.policy
     self.engine, self.layout = engine, layout
+    # Migrations leave the tight bucket an even start lives in for the big one, and come back.
+    self.big = self.big_layout(config, parsed) if self.policy in DYNAMIC else layout
+    if self._caps(self.big) == self._caps(layout):
+      self.big = layout
     # Exact steps of a layout whose devices all execute one width run the single-width step.
     self.narrow = tp.uniform_widths(layout)
+    self._start = layout
     self.profile, self.rotate_every = parsed.slowdown, int(config.hetero.rotate_every)
     self.schedule = parsed.resize                     # a static config.resize schedule, or None
     self.resize_spec = parsed.resize_how
@@ -137,7 +159,7 @@ class Balancer:
       self.controller = controller_lib.Controller(
           parsed.balance, self._cost_model(config), controller_lib.Setup.of(
               {k: u.counts for k, u in layout.kinds().items()}),
-          {k: u.capacity for k, u in layout.kinds().items()}, self._unit_bytes())
+          self._caps(self.big), self._unit_bytes())
       if self.policy in ("migrate", "semi"):
         self.migrator = engine.migrator()
     self.probe_every = int(b.probe_every)
@@ -164,12 +186,21 @@ class Balancer:
   # --- setup ----------------------------------------------------------------------------------
 
   @staticmethod
+  def big_layout(config, parsed) -> layout_lib.Layout:
+    """The configured layout in the dynamic policies' big bucket (`balance.capacity_factor`)."""
+    b = config.balance
+    return bucket_layout(parsed.layout, b.capacity_factor,
+                         b.num_widths or config.layout.num_widths)
+
+  @staticmethod
   def initial_layout(config, parsed) -> layout_lib.Layout:
-    """The layout a run of this policy starts in."""
+    """The layout a run of this policy starts in: `resize`, `migrate` and `semi` start in the
+    tight bucket (`tight_layout`; migrations switch buckets), `offload` in the big one."""
     layout = parsed.layout
     if parsed.balance.policy in DYNAMIC:
-      b = config.balance
-      layout = bucket_layout(layout, b.capacity_factor, b.num_widths or config.layout.num_widths)
+      layout = Balancer.big_layout(config, parsed)
+      if parsed.balance.policy != "offload":
+        layout = tight_layout(layout)
     elif parsed.resize is None:     # a fixed split executes exactly its counts: compile only those
       layout = layout_lib.Layout(**{k: dataclasses.replace(u, widths=tuple(sorted(set(u.counts))))
                                     for k, u in layout.kinds().items()})
@@ -180,9 +211,13 @@ class Balancer:
     flops = hetero.flops_per_unit(d_model=m.d_model, head_dim=m.d_model // m.num_heads,
                                   seq_len=models.sequence_length(m), causal=models.is_causal(m))
     return controller_lib.CostModel(
-        flops, {k: u.widths for k, u in self.layout.kinds().items()}, self.engine.num_units,
+        flops, {k: u.widths for k, u in self.big.kinds().items()}, self.engine.num_units,
         fixed_fraction=config.balance.fixed_fraction, alpha=config.balance.alpha,
         narrow=None if self.narrow is None else {k: w[0] for k, w in self.narrow.items()})
+
+  @staticmethod
+  def _caps(layout) -> dict:
+    return {k: u.capacity for k, u in layout.kinds().items()}
 
   def _unit_bytes(self) -> dict:
     """{kind: bytes of one unit's weights over all layers} (float32)."""
@@ -251,9 +286,11 @@ class Balancer:
     return self._plans[key]
 
   def _exact_widths(self, layout) -> dict | None:
-    """The single width of the exact step when `layout` allows it (and warm-up compiled it)."""
+    """The single width of the exact step when `layout` allows it (and warm-up compiled it:
+    the starting width and bucket)."""
     uniform = tp.uniform_widths(layout)
-    return uniform if uniform is not None and uniform == self.narrow else None
+    same = uniform is not None and uniform == self.narrow
+    return uniform if same and self._caps(layout) == self._caps(self._start) else None
 
   def before_step(self, step: int, state):
     """(state, plan) for 0-based `step`: decides (after each speed sample), migrates if the
@@ -277,11 +314,25 @@ class Balancer:
     self.stats["single_width_steps"] += all(len(w) == 1 for _, w in plan.widths)
     return state, plan
 
+  def _move(self, state, old: layout_lib.Layout, new: layout_lib.Layout):
+    """The state moved from layout `old` to `new`: the migration collective inside a bucket,
+    a re-layout through the logical form between buckets."""
+    if self._caps(new) != self._caps(old):
+      return self.engine.relayout(state, old, new)
+    return self.migrator.migrate_state(state, migrate_lib.plan(old, new), self.engine.tx,
+                                       self.engine.axes)
+
+  def _target_layout(self, counts: dict) -> layout_lib.Layout:
+    """The layout with `counts`, moving as few units as possible: in the tight bucket when they
+    fit it (the even split), else in the big one."""
+    big = rebalance(bucket_like(self.layout, self.big), counts)
+    tight = tight_layout(big)
+    return tight if self._caps(tight) == self._caps(self._start) else big
+
   def _migrate(self, state, counts: dict):
-    new = rebalance(self.layout, counts)
-    moves = migrate_lib.plan(self.layout, new)
+    new = self._target_layout(counts)
     t0 = time.perf_counter()
-    state = self.migrator.migrate_state(state, moves, self.engine.tx, self.engine.axes)
+    state = self._move(state, self.layout, new)
     jax.block_until_ready(state)
     dt = time.perf_counter() - t0
     self.stats["migrations"] += 1
@@ -350,42 +401,59 @@ class Balancer:
 
   # --- warm-up and summary --------------------------------------------------------------------
 
-  def warm_up(self, state, batch, eval_batch):
-    """Compiles every variant this policy may use, times one migration; returns the state."""
+  def warm_up(self, state, batch, eval_batch, step: int = 0):
+    """Compiles and exercises every variant this policy may use (in both buckets), times a
+    migration, does the priority refresh due at 0-based `step` (the first to run); returns the
+    state (unchanged in value, in the starting layout)."""
     engine = self.engine
-    variants = [engine.plan(self.layout, self.slowdown(0),
-                            widths=self._exact_widths(self.layout))]
-    if self.narrow is not None and self.migrator is not None:     # migrated layouts branch
-      variants.append(engine.plan(self.layout, self.slowdown(0)))
-    if self.priority is not None:     # a throwaway copy: selecting marks units as seen
-      half = tuple(0.5 for _ in range(self.layout.num_devices))
-      resize = copy.deepcopy(self.priority).select(self.layout, half)
-      variants.append(engine.plan(self.layout, self.slowdown(0), resize))
-    for plan in variants:
-      engine.compile(state, batch, plan, eval_batch)
-      engine.exercise(state, batch, plan)
-    shifted = {k: _shift_one(u.counts, u.capacity) for k, u in self.layout.kinds().items()}
+    self._warm_steps(state, batch, eval_batch, self.layout)
     if self.policy == "offload":
+      shifted = {k: _shift_one(u.counts, u.capacity) for k, u in self.layout.kinds().items()}
       off = self._offload_for(shifted)
       engine.compile(state, batch, engine.plan(self.layout, self.slowdown(0), None, offload=off),
                      eval_batch)
     engine.to_logical(state, self.layout)        # checkpoints and priority refreshes
+    self._resize(step, state, None)   # a refresh due at the first step (~0.4 s), before the clock
     if self.probe is not None:
       self.probe.warm_up()
       speed_lib.gather_times(self.probe.measure(), 0.0)
     if self.migrator is not None:
-      there = rebalance(self.layout, shifted)
-      back = migrate_lib.plan(there, self.layout)
-      state = self.migrator.migrate_state(state, migrate_lib.plan(self.layout, there),
-                                          engine.tx, engine.axes)
+      # An uneven split in the big bucket, a migration inside it and back, then home.
+      start = self.layout
+      there = rebalance(bucket_like(start, self.big),
+                        {k: _shift_one(u.counts, u.capacity) for k, u in self.big.kinds().items()})
+      state = self._move(state, start, there)
+      if there.bucket() != start.bucket():
+        self._warm_steps(state, batch, eval_batch, there)
+      further = rebalance(there, {k: _shift_one(u.counts, u.capacity)
+                                  for k, u in there.kinds().items()})
+      state = self._move(state, there, further)
+      state = self._move(state, further, there)
+      state = self._move(state, there, start)
       jax.block_until_ready(state)
       speed_lib.gather_times({})        # a barrier: time the move, not a process still compiling
       t0 = time.perf_counter()
-      state = self.migrator.migrate_state(state, back, engine.tx, engine.axes)
+      state = self._move(state, start, there)      # every move above is compiled: time one
       jax.block_until_ready(state)
       self._observe_move(time.perf_counter() - t0)
+      state = self._move(state, there, start)
     self.compiles_at_warmup = compiles.count()
     return state
+
+  def _warm_steps(self, state, batch, eval_batch, layout) -> None:
+    """Compiles and exercises the train and eval steps this policy may run in `layout`'s bucket."""
+    engine = self.engine
+    narrow = self._exact_widths(layout)
+    variants = [engine.plan(layout, self.slowdown(0), widths=narrow)]
+    if narrow is not None and self.migrator is not None and self.big is self._start:
+      variants.append(engine.plan(layout, self.slowdown(0)))     # uneven splits in one bucket
+    if self.priority is not None:     # a throwaway copy: selecting marks units as seen
+      half = tuple(0.5 for _ in range(layout.num_devices))
+      resize = copy.deepcopy(self.priority).select(layout, half)
+      variants.append(engine.plan(layout, self.slowdown(0), resize))
+    for plan in variants:
+      engine.compile(state, batch, plan, eval_batch)
+      engine.exercise(state, batch, plan)
 
   def summary(self, total_s: float) -> dict:
     """Balance statistics of the run (`total_s`: wall seconds of the training steps).

@@ -119,7 +119,8 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
   if start and balancer.priority is not None and (saved := ckpt.restore_extra(start)) is not None:
     balancer.priority.load_state_dict(saved["priority"])
   eval_batches = [engine.shard_batch(b) for b in dataset.eval_batches()]
-  state = balancer.warm_up(state, engine.shard_batch(dataset.train_batch(start)), eval_batches[0])
+  state = balancer.warm_up(state, engine.shard_batch(dataset.train_batch(start)), eval_batches[0],
+                          step=start)
   if jax.process_count() > 1:     # start together (a process still compiling would stall step 1)
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("semijax warm-up")
