@@ -11,16 +11,19 @@ does depends on `config.balance.policy`:
   offload  the authors' baseline: slow devices' surplus units computed by helpers every step;
   semi     SEMI-migration: the controller picks exact / resize / migrate online.
 
-The dynamic policies (resize, migrate, offload, semi) run in one capacity bucket large enough for
-any split they may choose (`balance.capacity_factor` times the even share), so that every variant
-they need (the exact step, the resized step, the offload step, the migration collective, the speed
+Buckets: `resize`, `migrate` and `semi` start in the tight bucket of the even split (capacity =
+the even share, `tight_layout`); a migration to an uneven split moves the state into the big
+bucket (`balance.capacity_factor` times the even share, `bucket_layout`) with one re-layout, and a
+migration back to even returns it to the tight one; inside the big bucket units move with the
+migration collective. `offload` runs in the big bucket throughout. Every variant a policy may
+need in either bucket (the exact step, the resized step, the offload step, the moves, the speed
 probe) is compiled during warm-up and nothing compiles afterwards; `compiles_after_warmup` counts
 XLA compilations (`semijax.compiles`) after `warm_up`. Warm-up also runs every branch of those
 steps once on a throwaway state (`Engine.exercise`): XLA:CPU pays about 0.2 s the first time a
 branch runs, which would otherwise land on the first step after each change.
 
-While every device executes the same width (an even split, before any migration), exact steps
-run the single-width step (`tp.uniform_widths`): no per-device branches, no rematerialization.
+While every device executes the same width (the even split), exact steps run the single-width
+step (`tp.uniform_widths`): no per-device branches, no rematerialization.
 
 Speeds come from `speed.Probe` timings shared between processes, or, with emulated heterogeneity,
 from the emulated slowdown profile (`config.hetero.slowdown`, optionally rotating every
@@ -416,7 +419,6 @@ class Balancer:
     self._resize(step, state, None)   # a refresh due at the first step (~0.4 s), before the clock
     if self.probe is not None:
       self.probe.warm_up()
-      speed_lib.gather_times(self.probe.measure(), 0.0)
     if self.migrator is not None:
       # An uneven split in the big bucket, a migration inside it and back, then home.
       start = self.layout
@@ -437,6 +439,8 @@ class Balancer:
       jax.block_until_ready(state)
       self._observe_move(time.perf_counter() - t0)
       state = self._move(state, there, start)
+    if self.probe is not None:   # last: the first sample then measures training steps only
+      speed_lib.gather_times(self.probe.measure(), 0.0)
     self.compiles_at_warmup = compiles.count()
     return state
 

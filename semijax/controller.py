@@ -48,6 +48,7 @@ from semijax import layout as layout_lib
 from semijax import resize as resize_lib
 
 BRANCH_OVERHEAD = 1 / 3
+MIN_FIT_SAMPLES = 4       # (faded) samples before a fitted line may replace the prior
 POLICIES = ("even", "static", "resize", "migrate", "offload", "semi")
 CANDIDATE_NAMES = ("exact", "resize", "migrate", "offload")
 CANDIDATES = {"resize": ("exact", "resize"), "migrate": ("exact", "migrate"),
@@ -175,7 +176,8 @@ class CostModel:
     """Calibrates from one measured step (without migration time) of `setup` at `speeds`.
 
     A least-squares line through recent (critical load, seconds) points (older points fade by
-    `forget` per step) gives `fixed_s` and `per_load_s` once the load has varied (std above 10%)
+    `forget` per step) gives `fixed_s` and `per_load_s` once there are `MIN_FIT_SAMPLES` of them
+    and the load has varied (std above 10%)
     and the line explains at least half the variance of the times; otherwise `fixed_s` stays
     (at first `fixed_fraction` of the first step) and `per_load_s` follows the measurements.
     """
@@ -189,7 +191,7 @@ class CostModel:
     mx, my = sx / n, sy / n
     var = sxx / n - mx * mx
     vary = self._sums_y2 / n - my * my
-    if var > (0.1 * mx) ** 2 and vary > 0:
+    if n >= MIN_FIT_SAMPLES and var > (0.1 * mx) ** 2 and vary > 0:
       cov = sxy / n - mx * my
       b = cov / var
       a = my - b * mx
@@ -416,8 +418,8 @@ class Controller:
       elif moving and dwell < s.min_dwell_steps:
         why = f"last migration {dwell} steps ago < {s.min_dwell_steps}"
       else:
-        return best, (f"{best} predicted {pred[best]:.4g} s/step vs {now:.4g} now "
-                      f"({gain:.1%} faster); {context}")
+        why = f"{gain:.1%} faster" if gain > 0 else f"{current} is no longer allowed"
+        return best, f"{best} predicted {pred[best]:.4g} s/step vs {now:.4g} now ({why}); {context}"
     # While waiting, take the best option that moves nothing (e.g. resize before migrating).
     still = {n: p for n, p in pred.items() if cands[n].owned == self.setup.owned}
     alt = min(still, key=still.get)

@@ -7,6 +7,7 @@ must compile nothing inside training steps after warm-up; decisions are logged w
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -94,6 +95,34 @@ def test_bucket_layout_and_rebalance():
   for d in (1, 2, 3):
     assert set(big.mlp.owned[d]) <= set(new.mlp.owned[d])
   assert sorted(u for o in new.mlp.owned for u in o) == list(range(64))
+  # The tight bucket of the even split: capacity 16, the big bucket's widths below it.
+  tight = balance.tight_layout(big)
+  assert tight.mlp.capacity == 16 and tight.mlp.widths == (8, 16) and tight.mlp.owned == big.mlp.owned
+  assert balance.bucket_like(tight, new).mlp.capacity == 32
+  assert balance.bucket_like(tight, new).mlp.owned == tight.mlp.owned
+
+
+def test_migrations_switch_buckets_and_keep_the_state():
+  # migrate starts in the tight bucket; an uneven split re-lays the state out in the big bucket,
+  # the even split brings it back; the logical state never changes.
+  c = tiny_gpt(tensor=4)
+  c.balance.policy = "migrate"
+  parsed = config_lib.validate(c)
+  engine = train.build_engine(c, parsed)
+  layout = balance.Balancer.initial_layout(c, parsed)
+  assert layout.mlp.capacity == 16 and layout.heads.capacity == 2
+  b = balance.Balancer(c, parsed, engine, layout, None, 100)
+  state = engine.init(0, layout)
+  want = jax.device_get(engine.to_logical(state, layout))
+  state = b._migrate(state, {"mlp": (4, 20, 20, 20), "heads": (2, 2, 2, 2)})
+  assert b.layout.mlp.capacity == 32 and b.layout.mlp.counts == (4, 20, 20, 20)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(engine.to_logical(state, b.layout)),
+               want)
+  state = b._migrate(state, {"mlp": (16, 16, 16, 16), "heads": (2, 2, 2, 2)})
+  assert b.layout.bucket() == layout.bucket() and b.layout.mlp.counts == (16, 16, 16, 16)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(engine.to_logical(state, b.layout)),
+               want)
+  assert b.stats["migrations"] == 2
 
 
 def test_rotating_slowdown_profile():
