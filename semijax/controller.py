@@ -404,7 +404,9 @@ class Controller:
     gain = 1 - pred[best] / now
     moving = cands[best].owned != self.setup.owned
     if current == "resize" and best == "exact":     # stop resizing at once: it costs accuracy
-      return best, f"exact: resizing no longer pays ({pred[best]:.4g} vs {now:.4g} s/step); {context}"
+      why = ("resizing no longer pays" if "resize" in cands else
+             "resizing is beyond its horizon, exact is the fastest lossless option")
+      return best, f"exact: {why} ({pred[best]:.4g} vs {now:.4g} s/step); {context}"
     # Resizing already waited for its patience; trading it for a lossless split needs none.
     from_resize = current == "resize" and best == "migrate"
     if gain < s.hysteresis and not from_resize:
