@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from semijax import straggler_bench as sb  # noqa: E402
 
-_QUICK = flags.DEFINE_bool("quick", False, "Short runs; the real-contention part only unless --mode.")
+_QUICK = flags.DEFINE_bool("quick", False,
+                           "Short runs; the real-contention part only unless --mode.")
 _OUT = flags.DEFINE_string("out", "results/bench_straggler", "Output directory.")
 _MODE = flags.DEFINE_enum("mode", None, ["all", "real", "emulated"],
                           "Which part to run (default: real with --quick, else all).")

@@ -152,11 +152,11 @@ def branch_plans(plan: Plan, mesh: jax.sharding.Mesh) -> list[Plan]:
   put = lambda x: jax.device_put(x, shard)
   n = len(next(iter(plan.active.values())))
   widths = dict(plan.widths)
-  full = lambda k, w: put(np.full(n, w, np.int32))
+  full = lambda w: put(np.full(n, w, np.int32))
   out = []
   for i in range(max(len(w) for w in widths.values())):
     at = {k: w[min(i, len(w) - 1)] for k, w in widths.items()}
-    active = {k: full(k, at[k]) for k in widths}
+    active = {k: full(at[k]) for k in widths}
     if plan.resize is None:
       out.append(dataclasses.replace(plan, active=active))
       continue
@@ -164,7 +164,7 @@ def branch_plans(plan: Plan, mesh: jax.sharding.Mesh) -> list[Plan]:
     kept = {k: put(np.full(r.kept[k].shape, at[k], np.int32)) for k in widths}
     out.append(dataclasses.replace(plan, active=active, resize=dataclasses.replace(r, kept=kept)))
     if r.mode == "units" and any(at[k] < widths[k][-1] for k in widths):
-      cap = {k: full(k, w[-1]) for k, w in widths.items()}     # kept < active: resized branch
+      cap = {k: full(w[-1]) for k, w in widths.items()}     # kept < active: resized branch
       out.append(dataclasses.replace(plan, active=cap, resize=dataclasses.replace(r, kept=kept)))
   return out
 

@@ -97,7 +97,8 @@ def test_bucket_layout_and_rebalance():
   assert sorted(u for o in new.mlp.owned for u in o) == list(range(64))
   # The tight bucket of the even split: capacity 16, the big bucket's widths below it.
   tight = balance.tight_layout(big)
-  assert tight.mlp.capacity == 16 and tight.mlp.widths == (8, 16) and tight.mlp.owned == big.mlp.owned
+  assert tight.mlp.capacity == 16 and tight.mlp.widths == (8, 16)
+  assert tight.mlp.owned == big.mlp.owned
   assert balance.bucket_like(tight, new).mlp.capacity == 32
   assert balance.bucket_like(tight, new).mlp.owned == tight.mlp.owned
 
