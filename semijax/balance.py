@@ -177,6 +177,7 @@ class Balancer:
                   "single_width_steps": 0}
     self._compiles_before = None
     self._sampled = False        # a new speed sample arrived since the last decision
+    self._new_regime = False     # ... and the tracker confirmed a new regime with it
     self._pending = []           # step seconds since the last sample (this process)
     self._last = None            # the latest decision (logged with the time measured after it)
     self.clock_s = 0.0           # shared clock: sum of the shared mean step times
@@ -305,7 +306,9 @@ class Balancer:
       self._sampled = False
       t0 = time.perf_counter()
       self.decision = self.controller.decide(
-          step, self.tracker.speeds, self.tracker.expected_remaining_s(self.clock_s), self._step_s)
+          step, self.tracker.speeds, self.tracker.expected_remaining_s(self.clock_s), self._step_s,
+          new_regime=self._new_regime)
+      self._new_regime = False
       self.stats["decide_s"] += time.perf_counter() - t0
       self.stats["decisions"] += 1
       if self.decision.changed:
@@ -378,7 +381,7 @@ class Balancer:
     self.stats["probe_s"] += probe_s
     self.clock_s += mean_s * len(self._pending)
     self._pending = []
-    self.tracker.update(times, self.clock_s)
+    self._new_regime |= self.tracker.update(times, self.clock_s)
     self._sampled = True
     self._step_s = mean_s if self._step_s is None else 0.7 * self._step_s + 0.3 * mean_s
     # Calibrate with this sample's speeds, measured over the same steps (the tracker's smoothed

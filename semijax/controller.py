@@ -29,7 +29,8 @@ later, back). Candidates:
   offload  ownership unchanged, slow devices' surplus computed by helpers every step.
 
 Hysteresis: a change must beat the current setup by `hysteresis` (relative) in `patience`
-consecutive decisions, and migrations are at least `min_dwell_steps` apart; while a migration
+consecutive decisions (or in the first decision after the tracker confirmed a new regime of
+speeds: its change detection already told a lasting change from noise), and migrations are at least `min_dwell_steps` apart; while a migration
 waits, the best setup that moves nothing is used (so a new slowdown is first resized, then
 migrated once migrating pays). Leaving resizing for an exact setup (exact, or migrate when it is
 predicted faster) needs no margin (and migrate no patience), since resizing costs accuracy.
@@ -364,9 +365,10 @@ class Controller:
   # --- deciding -------------------------------------------------------------------------------
 
   def decide(self, step: int, speeds: Sequence[float], expected_s: float,
-             step_s: float) -> Decision:
+             step_s: float, new_regime: bool = False) -> Decision:
     """The setup for `step`, given relative `speeds` [N], the expected remaining seconds of these
-    speeds and the recent measured seconds per step."""
+    speeds, the recent measured seconds per step and whether the speeds are a newly confirmed
+    regime (`speed.SpeedTracker.update` returned True since the last decision)."""
     s = self.settings
     speeds = np.asarray(speeds, np.float64)
     expected_steps = expected_s / max(step_s, 1e-9)
@@ -382,7 +384,7 @@ class Controller:
       choice = "resize" if "resize" in cands else "exact"
       reason = f"resize policy: {'resize' if choice == 'resize' else 'nobody slow'}; {context}"
     else:
-      choice, reason = self._choose(step, cands, pred, current, now, context)
+      choice, reason = self._choose(step, cands, pred, current, now, context, new_regime)
     new = cands.get(choice, self.setup)    # the same candidate may adjust its keep ratios
     moves = new.owned != self.setup.owned
     changed = new != self.setup
@@ -394,7 +396,8 @@ class Controller:
     return Decision(step, choice, new, changed, moves, reason, pred_now,
                     tuple(float(x) for x in speeds), float(expected_s))
 
-  def _choose(self, step, cands, pred, current, now, context) -> tuple[str, str]:
+  def _choose(self, step, cands, pred, current, now, context,
+              new_regime=False) -> tuple[str, str]:
     """(candidate, reason) under hysteresis, patience and dwell (see module doc)."""
     s = self.settings
     best = min(pred, key=pred.get)
@@ -415,12 +418,14 @@ class Controller:
       streak = self._streak[1] + 1 if self._streak[0] == best else 1
       self._streak = (best, streak)
       dwell = step - self.last_move_step
-      if streak < s.patience and not from_resize:
+      if streak < s.patience and not from_resize and not new_regime:
         why = f"{best} wins {streak}/{s.patience} decisions"
       elif moving and dwell < s.min_dwell_steps:
         why = f"last migration {dwell} steps ago < {s.min_dwell_steps}"
       else:
         why = f"{gain:.1%} faster" if gain > 0 else f"{current} is no longer allowed"
+        if new_regime and streak < s.patience:
+          why += ", new regime: no patience"
         return best, f"{best} predicted {pred[best]:.4g} s/step vs {now:.4g} now ({why}); {context}"
     # While waiting, take the best option that moves nothing (e.g. resize before migrating).
     still = {n: p for n, p in pred.items() if cands[n].owned == self.setup.owned}

@@ -223,15 +223,16 @@ class SpeedTracker:
   def expected_remaining_s(self, now: float) -> float:
     """How much longer the current regime is expected to last.
 
-    With past regimes, the median of the last four durations minus the time already spent in
-    this one (but at least half the elapsed time); with none, as long as it has lasted so far
-    (a change that has persisted for t tends to persist for about t more). Never less than
-    `min_expected_s`.
+    While the current regime is younger than the typical past one (the median of the last four
+    durations), what is left of that typical duration; with no past regime, or once this one
+    has outlasted the typical one (so the past says little about it: e.g. a short regime seen
+    at start-up before a lasting slowdown), as long as it has lasted so far (a change that has
+    persisted for t tends to persist for about t more). Never less than `min_expected_s`.
     """
     elapsed = self.elapsed_s(now)
+    guess = elapsed
     if self.history:
       typical = float(np.median([d for d, _ in self.history[-4:]]))
-      guess = max(typical - elapsed, 0.5 * elapsed)
-    else:
-      guess = elapsed
+      if elapsed < typical:
+        guess = typical - elapsed
     return max(guess, self.min_expected_s)

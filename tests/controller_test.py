@@ -140,6 +140,20 @@ def test_semi_resizes_a_new_slowdown_then_migrates_then_moves_back():
   assert changes == 3      # resize, migrate, migrate back: no thrashing
 
 
+def test_a_newly_confirmed_regime_needs_no_patience():
+  # The tracker's change detection already debounced the speeds: the first decision after it
+  # confirmed a slowdown resizes (predicted (0.1 + 0.9 * 0.5) * 1.05 s vs 1.0 s) at once.
+  c = controller(patience=3, resize_horizon_steps=5)
+  assert c.decide(0, EVEN, expected_s=1.0, step_s=1.0).choice == "exact"
+  d = c.decide(1, SLOW, expected_s=1.0, step_s=1.0, new_regime=True)
+  assert d.choice == "resize" and d.changed and "new regime" in d.reason
+  assert d.setup.keep == (1.0, 0.5) and d.predicted_s["resize"] == pytest.approx(0.55 * 1.05)
+  # Without the confirmation, the same change waits for its patience.
+  c = controller(patience=3, resize_horizon_steps=5)
+  got = [c.decide(i, SLOW, expected_s=1.0, step_s=1.0).choice for i in range(3)]
+  assert got == ["exact", "exact", "resize"]
+
+
 def test_hysteresis_ignores_small_gains_and_noise():
   c = controller("migrate", patience=1, hysteresis=0.05)
   # Speeds (1, 0.9): exact critical 0.5/0.9 = 0.556 -> 0.6 s; (5, 3) executes (6, 4) -> worse;
@@ -211,7 +225,9 @@ def test_tracker_expected_duration_uses_history():
   for start in (20.0, 40.0, 60.0):                     # regimes of 20 s, alternating
     t.update([1.0, 2.0] if start != 40.0 else [1.0, 1.0], start)
   assert t.expected_remaining_s(65.0) == pytest.approx(15.0)   # 20 - 5
-  assert t.expected_remaining_s(100.0) == pytest.approx(20.0)  # outlasting: half the elapsed
+  assert t.expected_remaining_s(79.0) == pytest.approx(1.0)    # 20 - 19
+  assert t.expected_remaining_s(100.0) == pytest.approx(40.0)  # outlasting: as long as so far
+  assert t.expected_remaining_s(60.2) == pytest.approx(19.8)
 
 
 def test_tracker_refuses_bad_samples():
