@@ -283,9 +283,9 @@ def plot(raw: dict, path: str, title: str) -> None:
         continue
       t = np.cumsum(dt)
       tokens = r["tokens_per_s"] * np.sum(dt) / len(dt)          # tokens per step (constant)
-      k = min(5, len(dt))
-      smooth = np.convolve(tokens / dt, np.ones(k) / k, mode="same")
-      ax.plot(t, smooth, label=policy, lw=1.2)
+      k = min(5, len(dt))       # trailing mean of k steps (no zero padding at the ends)
+      smooth = np.convolve(tokens / dt, np.ones(k) / k, mode="valid")
+      ax.plot(t[k - 1:], smooth, label=policy, lw=1.2)
       c = r.get("contention")
       if c and not shaded and policy == "semi":
         for a, b in c["intervals"]:
