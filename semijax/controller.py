@@ -30,11 +30,12 @@ later, back). Candidates:
 
 Hysteresis: a change must beat the current setup by `hysteresis` (relative) in `patience`
 consecutive decisions (or in the first decision after the tracker confirmed a new regime of
-speeds: its change detection already told a lasting change from noise), and migrations are at least `min_dwell_steps` apart; while a migration
-waits, the best setup that moves nothing is used (so a new slowdown is first resized, then
-migrated once migrating pays). Leaving resizing for an exact setup (exact, or migrate when it is
-predicted faster) needs no margin (and migrate no patience), since resizing costs accuracy.
-Every decision carries its reason and its predictions.
+speeds: its change detection already told a lasting change from noise), and migrations are at
+least `min_dwell_steps` apart; while a migration waits, the best setup that moves nothing is
+used (so a new slowdown is first resized, then migrated once migrating pays). Leaving resizing
+for an exact setup (exact, or migrate when it is predicted faster) needs no margin (and migrate
+no patience), since resizing costs accuracy. Every decision carries its reason and its
+predictions.
 """
 
 from __future__ import annotations
