@@ -83,6 +83,7 @@ def main(argv):
     with open(os.path.join(out, "real_raw.json")) as f:
       raw = json.load(f)
     results["scenarios"] = sb.summarize(raw, ("none", "even"))
+    results["noise_spread_none"] = sb.noise_spread(results["scenarios"])
     results["speeds"] = raw["speeds"]
     results["bursts"] = raw["bursts"]
     sb.plot(raw, os.path.join(out, "throughput.png"),
@@ -107,6 +108,10 @@ def main(argv):
       if scenario in semi and "semi" in semi[scenario]:
         v = semi[scenario]["semi"][key]
         md.append(f"- {scenario}: semi {key} = {v:.2f} (target >= {target})")
+    if results["noise_spread_none"] is not None:
+      md.append(f"- noise: in `none` the runs of {', '.join(sb.SAME_SPLIT_POLICIES)} train the "
+                f"same even split; their tokens/s spread by "
+                f"{results['noise_spread_none']:.0%} (max / min - 1)")
     md.append("")
   if "emulated" in results:
     md.append(sb.markdown(results["emulated"], "Emulated (8 fake devices); the baseline loss "

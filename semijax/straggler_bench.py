@@ -251,6 +251,19 @@ def summarize(raw: dict, baseline: tuple[str, str]) -> dict:
   return out
 
 
+# Policies that run the even split when nobody is slow (offload runs its own step).
+SAME_SPLIT_POLICIES = ("even", "static", "resize", "migrate", "semi")
+
+
+def noise_spread(results: dict, scenario: str = "none") -> float | None:
+  """max / min - 1 of tokens/s over `scenario`'s runs of `SAME_SPLIT_POLICIES` (in `none`,
+  with an even oracle, they all train the same split: their spread is the noise of one run);
+  None with fewer than two such runs."""
+  tps = [r["tokens_per_s"] for p, r in results.get(scenario, {}).items()
+         if p in SAME_SPLIT_POLICIES]
+  return max(tps) / min(tps) - 1 if len(tps) > 1 else None
+
+
 def markdown(results: dict, title: str) -> str:
   lines = [f"### {title}", "",
            "| scenario | policy | tokens/s | vs even | vs oracle | final val loss | vs baseline "
