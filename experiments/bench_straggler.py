@@ -109,9 +109,9 @@ def main(argv):
         v = semi[scenario]["semi"][key]
         md.append(f"- {scenario}: semi {key} = {v:.2f} (target >= {target})")
     if results["noise_spread_none"] is not None:
-      md.append(f"- noise: in `none` the runs of {', '.join(sb.SAME_SPLIT_POLICIES)} train the "
-                f"same even split; their tokens/s spread by "
-                f"{results['noise_spread_none']:.0%} (max / min - 1)")
+      same = [p for p in semi["none"] if p in sb.SAME_SPLIT_POLICIES]
+      md.append(f"- noise: in `none` the runs of {', '.join(same)} train the same even split; "
+                f"their tokens/s spread by {results['noise_spread_none']:.0%} (max / min - 1)")
     md.append("")
   if "emulated" in results:
     md.append(sb.markdown(results["emulated"], "Emulated (8 fake devices); the baseline loss "
