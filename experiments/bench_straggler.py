@@ -109,7 +109,7 @@ def main(argv):
         v = semi[scenario]["semi"][key]
         md.append(f"- {scenario}: semi {key} = {v:.2f} (target >= {target})")
     if results["noise_spread_none"] is not None:
-      same = [p for p in semi["none"] if p in sb.SAME_SPLIT_POLICIES]
+      same = sb.same_split_runs(semi)
       md.append(f"- noise: in `none` the runs of {', '.join(same)} train the same even split; "
                 f"their tokens/s spread by {results['noise_spread_none']:.0%} (max / min - 1)")
     md.append("")

@@ -255,12 +255,16 @@ def summarize(raw: dict, baseline: tuple[str, str]) -> dict:
 SAME_SPLIT_POLICIES = ("even", "static", "resize", "migrate", "semi")
 
 
+def same_split_runs(results: dict, scenario: str = "none") -> dict:
+  """{policy: result} of `scenario`'s runs of `SAME_SPLIT_POLICIES` (in `none`, with an even
+  oracle, they all train the same split)."""
+  return {p: r for p, r in results.get(scenario, {}).items() if p in SAME_SPLIT_POLICIES}
+
+
 def noise_spread(results: dict, scenario: str = "none") -> float | None:
-  """max / min - 1 of tokens/s over `scenario`'s runs of `SAME_SPLIT_POLICIES` (in `none`,
-  with an even oracle, they all train the same split: their spread is the noise of one run);
-  None with fewer than two such runs."""
-  tps = [r["tokens_per_s"] for p, r in results.get(scenario, {}).items()
-         if p in SAME_SPLIT_POLICIES]
+  """max / min - 1 of tokens/s over `same_split_runs` (the noise of one run); None with fewer
+  than two such runs."""
+  tps = [r["tokens_per_s"] for r in same_split_runs(results, scenario).values()]
   return max(tps) / min(tps) - 1 if len(tps) > 1 else None
 
 

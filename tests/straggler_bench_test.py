@@ -6,9 +6,9 @@ import pytest
 from semijax import straggler_bench as sb
 
 
-def run(tps, loss, **kw):
+def run(tps, loss, migrations=0):
   return {"tokens_per_s": tps, "final_val_loss": loss, "compiles_after_warmup": 0,
-          "migrations": kw.get("migrations", 0), "decisions": 0, "measure_overhead": None,
+          "migrations": migrations, "decisions": 0, "measure_overhead": None,
           "final_counts": {}, "changes": []}
 
 
@@ -35,6 +35,7 @@ def test_summarize_gives_ratios_to_even_and_oracle_and_the_loss_difference():
 
 def test_noise_spread_covers_the_runs_of_the_same_split_only():
   out = sb.summarize(RAW, ("none", "even"))
+  assert list(sb.same_split_runs(out)) == ["even", "static", "semi"]
   assert sb.noise_spread(out) == pytest.approx(110 / 90 - 1)    # offload's 50 is left out
   assert sb.noise_spread({"none": {"even": out["none"]["even"]}}) is None
   assert sb.noise_spread({}) is None
