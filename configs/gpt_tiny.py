@@ -9,7 +9,7 @@ Default: a model sized for one GPU or TPU host. Options after the colon:
       --config.hetero.slowdown='(1,1,1,4,1,1,1,1)' --config.layout.mlp=56,56,56,16,56,56,56,60
 """
 
-from semijax import config_lib
+from semijax.train import config as config_lib
 
 
 def get_config(arg=None):

@@ -8,7 +8,7 @@ Options after the colon: cpu (a small variant for CPUs), tensor=N, data=N.
   python experiments/train.py --config configs/vit_digits.py:cpu --workdir /tmp/vit_digits
 """
 
-from semijax import config_lib
+from semijax.train import config as config_lib
 
 
 def get_config(arg=None):

@@ -20,6 +20,7 @@ other seven in turn) and report
 
 import math
 import os
+import sys
 import time
 
 # 8 fake CPU devices unless the caller chose a device count (read when the backend starts).
@@ -33,12 +34,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from semijax import config_lib  # noqa: E402
-from semijax import layout as layout_lib  # noqa: E402
-from semijax import migrate  # noqa: E402
-from semijax import offload  # noqa: E402
-from semijax import report  # noqa: E402
-from semijax import train  # noqa: E402
+# The repository root: benchmarks/ (benchmark and report code) lives beside the library.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import report  # noqa: E402
+from semijax.core import layout as layout_lib  # noqa: E402
+from semijax.core import migrate  # noqa: E402
+from semijax.core import offload  # noqa: E402
+from semijax.train import config as config_lib  # noqa: E402
+from semijax.train import loop as train  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "results/bench_migrate", "Where to write the results.")
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer repeats and a shorter wide model (CI).")

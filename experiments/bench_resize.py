@@ -9,18 +9,24 @@ softmax do not), relative to keep 1.0 and to the same block without resizing.
   python experiments/bench_resize.py --out_dir=results/bench_resize
 """
 
+import os
+import sys
+
 from absl import app, flags
 import jax
 from flax import nnx
 
-from semijax import blockbench
-from semijax import layout as layout_lib
-from semijax import mesh as mesh_lib
-from semijax import priority as priority_lib
-from semijax import report
-from semijax import resize as resize_lib
-from semijax import tp
-from semijax.models import layers
+# The repository root: benchmarks/ (benchmark and report code) lives beside the library.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import blocks as blockbench  # noqa: E402
+from benchmarks import report  # noqa: E402
+from semijax.balance import priority as priority_lib  # noqa: E402
+from semijax.core import layout as layout_lib  # noqa: E402
+from semijax.core import mesh as mesh_lib  # noqa: E402
+from semijax.core import plan as plan_lib  # noqa: E402
+from semijax.core import resize as resize_lib  # noqa: E402
+from semijax.models import layers  # noqa: E402
 
 _OUT = flags.DEFINE_string("out_dir", "results/bench_resize", "Where to write the results.")
 _D = flags.DEFINE_integer("d_model", 256, "Model width.")
@@ -42,7 +48,7 @@ def main(argv):
   x = jax.random.normal(jax.random.key(1), (_BATCH.value, _SEQ.value, _D.value))
   fn, params = blockbench.block_step(mesh, block, x)
   median_ms = lambda plan: blockbench.median_ms(fn, params, x, plan, repeats=_REPEATS.value)
-  exact_ms = median_ms(tp.make_plan(lay, mesh))
+  exact_ms = median_ms(plan_lib.make_plan(lay, mesh))
   results, rows = [], []
   for mode in resize_lib.MODES:
     spec = resize_lib.ResizeSpec(keep=(1.0,), mode=mode).validate(1)
@@ -52,7 +58,7 @@ def main(argv):
     by_keep = {}
     for keep in KEEPS:
       rz = prio.select(lay, (keep,))
-      by_keep[keep] = median_ms(tp.make_plan(lay, mesh, resize=rz))
+      by_keep[keep] = median_ms(plan_lib.make_plan(lay, mesh, resize=rz))
       results.append({"mode": mode, "keep": keep, "ms": by_keep[keep],
                       "kept_mlp_units": int(rz.kept["mlp"][0, 0]),
                       "kept_heads": int(rz.kept["heads"][0, 0]),

@@ -21,7 +21,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from semijax import straggler_bench as sb  # noqa: E402
+from benchmarks import straggler as sb  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False,
                            "Short runs; the real-contention part only unless --mode.")
@@ -72,7 +72,7 @@ def main(argv):
           f"--on_s={on_s}", f"--off_s={off_s}"]
   results = {}
   if mode in ("all", "real"):
-    from semijax import launch
+    from semijax.runtime import launch
     if len(os.sched_getaffinity(0)) < 2:
       raise app.UsageError("the real-contention part needs 2 cores; use --mode=emulated")
     res = launch.launch([sys.executable, os.path.abspath(__file__), "--role=worker"] + args, 2,

@@ -9,16 +9,22 @@ switch and the rematerialized branches.
   python experiments/bench_widths.py --out_dir=results/bench_widths
 """
 
+import os
+import sys
+
 from absl import app, flags
 import jax
 from flax import nnx
 
-from semijax import blockbench
-from semijax import layout as layout_lib
-from semijax import mesh as mesh_lib
-from semijax import report
-from semijax import tp
-from semijax.models import layers
+# The repository root: benchmarks/ (benchmark and report code) lives beside the library.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import blocks as blockbench  # noqa: E402
+from benchmarks import report  # noqa: E402
+from semijax.core import layout as layout_lib  # noqa: E402
+from semijax.core import mesh as mesh_lib  # noqa: E402
+from semijax.core import plan as plan_lib  # noqa: E402
+from semijax.models import layers  # noqa: E402
 
 _OUT = flags.DEFINE_string("out_dir", "results/bench_widths", "Where to write the results.")
 _D = flags.DEFINE_integer("d_model", 256, "Model width.")
@@ -44,13 +50,13 @@ def main(argv):
     w_mlp = lay.mlp.widths[i]
     w_heads = lay.heads.widths[min(i, len(lay.heads.widths) - 1)]
     active = lay.replace(mlp=lay.mlp.with_active([w_mlp]), heads=lay.heads.with_active([w_heads]))
-    ms = median_ms(fn, params, x, tp.make_plan(active, mesh))
+    ms = median_ms(fn, params, x, plan_lib.make_plan(active, mesh))
     results.append({"mlp_width": w_mlp, "heads_width": w_heads, "ms": ms,
                     "work_fraction": w_mlp / _FF.value})
   full_ms = results[-1]["ms"]
   plain = lay.replace(mlp=lay.mlp.replace(widths=(_FF.value,)),
                       heads=lay.heads.replace(widths=(_HEADS.value,)))
-  plain_ms = median_ms(fn, params, x, tp.make_plan(plain, mesh))
+  plain_ms = median_ms(fn, params, x, plan_lib.make_plan(plain, mesh))
   for r in results:
     r["relative_to_full"] = r["ms"] / full_ms
     rows.append([f"{r['mlp_width']}/{_FF.value}", f"{r['heads_width']}/{_HEADS.value}",

@@ -1,16 +1,22 @@
 r"""Demo: one tensor device four times slower; even split, the speed-proportional split, and semi.
 
 Trains `configs/gpt_tiny.py:cpu` three times on 8 (fake) devices with the same seed and data and
-an emulated straggler (see semijax/demo.py): `semi` starts from the even split and finds the
+an emulated straggler (see benchmarks/demo.py): `semi` starts from the even split and finds the
 straggler by itself. Writes demo.json, demo.md and step_time.png.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/demo.py
 """
 
+import os
+import sys
+
 from absl import app, flags
 import jax
 
-from semijax import demo
+# The repository root: benchmarks/ (benchmark and report code) lives beside the library.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import demo  # noqa: E402
 
 _OUT = flags.DEFINE_string("out_dir", "results/demo", "Where to write the table and plot.")
 _STEPS = flags.DEFINE_integer("steps", 60, "Training steps per run.")

@@ -19,6 +19,8 @@ the difference to the baseline) and val_loss.png under --out_dir. Runs live in
   python experiments/study_resize.py --quick       # every setting, 1 seed, a few steps
 """
 
+import sys
+
 import json
 import os
 import time
@@ -27,10 +29,13 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from semijax import config_lib
-from semijax import metrics
-from semijax import report
-from semijax import train
+# The repository root: benchmarks/ (benchmark and report code) lives beside the library.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import report  # noqa: E402
+from semijax.train import config as config_lib  # noqa: E402
+from semijax.train import loop as train  # noqa: E402
+from semijax.train import metrics  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OUT = flags.DEFINE_string("out_dir", "results/study_resize", "Where to write the results.")

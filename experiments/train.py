@@ -18,8 +18,8 @@ from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from semijax import distributed
-from semijax import train
+from semijax.runtime import distributed
+from semijax.train import loop as train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training configuration file.",
                                           lock_config=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,12 @@ import numpy as np
 import optax
 
 import dense_reference as ref
-from semijax import engine as engine_lib
-from semijax import layout as L
-from semijax import mesh as mesh_lib
-from semijax import tasks
+from semijax.core import engine as engine_lib
+from semijax.core import layout as L
+from semijax.core import mesh as mesh_lib
 from semijax.models import gpt, vit
+from semijax.models import tasks
+from semijax.train import config as config_lib
 
 GPT_KW = dict(vocab_size=64, seq_len=8, d_model=32, num_heads=8, d_ff=48, num_layers=2)
 VIT_KW = dict(image_size=8, patch_size=2, channels=1, num_classes=10, d_model=32, num_heads=8,
@@ -132,3 +134,25 @@ def count_backend_compiles():
     yield events
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(name, arg="cpu"):
+  return config_lib.load(os.path.join(ROOT, "configs", f"{name}.py:{arg}"))
+
+
+def tiny_gpt(tensor=4, steps=6, **layout):
+  """gpt_tiny shrunk so a run compiles in seconds."""
+  c = load("gpt_tiny", f"cpu,tensor={tensor}")
+  c.model.update(dict(seq_len=16, d_model=32, num_heads=8, d_ff=64, num_layers=1))
+  c.layout.num_widths = 2
+  c.batch_size, c.steps = 8, steps
+  c.eval_every = c.log_every = 1
+  c.checkpoint_every = 3
+  c.data.eval_batches = 1
+  c.optimizer.warmup_steps = 2
+  for kind, counts in layout.items():
+    c.layout[kind] = counts
+  return c

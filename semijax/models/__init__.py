@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from semijax import tasks
 from semijax.models import gpt
+from semijax.models import tasks
 from semijax.models import vit
 
 # config.model fields of each model (besides `name`); all are required.

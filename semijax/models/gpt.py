@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from semijax import tp
+from semijax.core import plan as plan_lib
 from semijax.models import layers
 
 
@@ -27,7 +27,7 @@ class GPT(nnx.Module):
     self.encoder = layers.Encoder(num_layers, d_model, num_heads, d_ff, causal=True, rngs=rngs)
     self.head = nnx.Linear(d_model, vocab_size, use_bias=False, rngs=rngs)
 
-  def __call__(self, tokens: jnp.ndarray, plan: tp.Plan) -> jnp.ndarray:
+  def __call__(self, tokens: jnp.ndarray, plan: plan_lib.Plan) -> jnp.ndarray:
     x = self.embed(tokens) + self.pos[: tokens.shape[-1]]
     return self.head(self.encoder(x, plan))
 

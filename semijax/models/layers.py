@@ -17,7 +17,9 @@ import functools
 import jax.numpy as jnp
 from flax import nnx
 
-from semijax import tp
+from semijax.core import kernels
+from semijax.core import plan as plan_lib
+from semijax.core import tp
 
 kernel_init = nnx.initializers.lecun_normal()
 zeros = nnx.initializers.zeros_init()
@@ -39,10 +41,10 @@ class MLP(nnx.Module):
     self.w2 = _param(kernel_init, rngs, (d_ff, d_model), ("mlp", "embed"))
     self.b2 = _param(zeros, rngs, (d_model,), ("embed",))
 
-  def __call__(self, x, plan: tp.Plan):
+  def __call__(self, x, plan: plan_lib.Plan):
     """x: [..., d_model] replicated over tensor -> [..., d_model] replicated."""
-    y = tp.row_parallel(plan, "mlp", tp.mlp_partial, x, self.w1[...], self.b1[...], self.w2[...],
-                        units=tp.MLP_UNITS)
+    y = tp.row_parallel(plan, "mlp", kernels.mlp_partial, x, self.w1[...], self.b1[...], self.w2[...],
+                        units=kernels.MLP_UNITS)
     return y + self.b2[...]
 
 
@@ -63,11 +65,11 @@ class Attention(nnx.Module):
     self.wo = _param(kernel_init, rngs, (inner, d_model), ("heads", "embed"))
     self.bo = _param(zeros, rngs, (d_model,), ("embed",))
 
-  def __call__(self, x, plan: tp.Plan):
+  def __call__(self, x, plan: plan_lib.Plan):
     """x: [batch, seq, d_model] replicated over tensor -> same shape, replicated."""
-    fn = functools.partial(tp.attention_partial, head_dim=self.head_dim, causal=self.causal)
+    fn = functools.partial(kernels.attention_partial, head_dim=self.head_dim, causal=self.causal)
     weights = [v[...] for v in (self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo)]
-    units = tp.attention_units(self.head_dim)
+    units = kernels.attention_units(self.head_dim)
     return tp.row_parallel(plan, "heads", fn, x, *weights, units=units) + self.bo[...]
 
 
@@ -80,7 +82,7 @@ class Block(nnx.Module):
     self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
     self.mlp = MLP(d_model, d_ff, rngs=rngs)
 
-  def __call__(self, x, plan: tp.Plan):
+  def __call__(self, x, plan: plan_lib.Plan):
     x = x + self.attn(self.ln1(x), plan)
     return x + self.mlp(self.ln2(x), plan)
 
@@ -94,7 +96,7 @@ class Encoder(nnx.Module):
                             for _ in range(num_layers)])
     self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
 
-  def __call__(self, x, plan: tp.Plan):
+  def __call__(self, x, plan: plan_lib.Plan):
     """x: [batch, seq, d_model] replicated over tensor; block i gets `plan.layer(i)`."""
     for i, block in enumerate(self.blocks):
       x = block(x, plan.layer(i))

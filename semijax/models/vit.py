@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from semijax import tp
+from semijax.core import plan as plan_lib
 from semijax.models import layers
 
 
@@ -38,7 +38,7 @@ class ViT(nnx.Module):
     self.encoder = layers.Encoder(num_layers, d_model, num_heads, d_ff, causal=False, rngs=rngs)
     self.head = nnx.Linear(d_model, num_classes, rngs=rngs)
 
-  def __call__(self, images: jnp.ndarray, plan: tp.Plan) -> jnp.ndarray:
+  def __call__(self, images: jnp.ndarray, plan: plan_lib.Plan) -> jnp.ndarray:
     x = self.patch(patchify(images, self.patch_size))
     cls = jnp.broadcast_to(self.cls[...], (x.shape[0], 1, x.shape[-1]))
     x = jnp.concatenate([cls, x], axis=1) + self.pos[...]

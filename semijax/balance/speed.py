@@ -1,0 +1,238 @@
+"""Per-device speed, measured while training: a probe, sharing between processes, change detection.
+
+Where the speeds come from:
+  * real runs (one or more processes): every process measures its own devices between steps and
+    the numbers are shared with `gather_times`, so every process sees the same numbers and makes
+    the same decisions (the controller's inputs must be identical on every process of an SPMD
+    program). On Linux CPUs `SchedShare` reads the share of CPU time the process got while it
+    was ready to run from the kernel's scheduler statistics (exact, costs no compute); elsewhere
+    `Probe` times a small fixed computation (a local matmul chain, no collectives);
+  * emulated runs (one process, fake devices): the emulated slowdown factor of each device stands
+    in for its probe time (`hetero.slowdown` is exactly "time of the same work").
+
+`SpeedTracker` turns times into relative speeds (fastest device = 1.0) and tells a lasting change
+from a burst: a new level must persist for `confirm` consecutive samples before it becomes the
+current *regime*; a shorter excursion is ignored. It remembers how long past regimes lasted, which
+the controller uses to guess how long the current one will last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from semijax.core import mesh as mesh_lib
+
+
+class Probe:
+  """Times a fixed local computation on each of this process's devices.
+
+  Args:
+    size: the matmul is [size, size] @ [size, size], repeated `repeats` times in one program.
+    repeats: matmuls per probe (2 * size**3 * repeats FLOPs).
+    devices: the devices to time (default: this process's devices).
+  """
+
+  def __init__(self, size: int = 128, repeats: int = 4, devices=None):
+    if size < 1 or repeats < 1:
+      raise ValueError(f"balance.probe_size / probe_repeats must be >= 1, got {size}, {repeats}")
+    self.devices = list(devices if devices is not None else jax.local_devices())
+    self.flops = 2.0 * size ** 3 * repeats
+
+    def chain(a):
+      return jax.lax.fori_loop(0, repeats, lambda _, x: jnp.tanh(x @ a), a)
+
+    self._fn = jax.jit(chain)
+    x = np.random.default_rng(0).standard_normal((size, size)).astype(np.float32) / size
+    self._inputs = [jax.device_put(x, d) for d in self.devices]
+
+  def warm_up(self) -> None:
+    """Compiles the probe for every device (outside the hot path)."""
+    for x in self._inputs:
+      self._fn(x).block_until_ready()
+
+  def measure(self) -> dict[int, float]:
+    """{device id: seconds} of one probe on each local device, run one after another."""
+    out = {}
+    for d, x in zip(self.devices, self._inputs):
+      t0 = time.perf_counter()
+      self._fn(x).block_until_ready()
+      out[d.id] = time.perf_counter() - t0
+    return out
+
+
+class SchedShare:
+  """The share of CPU time this process got while it was ready to run (Linux scheduler stats).
+
+  For each of this process's threads the kernel counts nanoseconds on a CPU and nanoseconds
+  runnable but waiting for one (/proc/self/task/*/schedstat). Over the window since the last
+  call, share = on / (on + waiting): about 1.0 on a core of its own, 0.5 beside one CPU-bound
+  competitor. Time blocked in a collective counts as neither. `measure` reports 1 / share as the
+  relative time of a fixed amount of work on each local device (a process's devices share its
+  cores), so it plugs in where `Probe` does, without computing anything.
+  """
+
+  PATH = "/proc/self/task"
+
+  def __init__(self, devices=None):
+    self.devices = list(devices if devices is not None else jax.local_devices())
+    self._last = self._read()
+
+  @classmethod
+  def available(cls) -> bool:
+    try:
+      return os.path.isdir(cls.PATH) and cls._read_once()[0] > 0
+    except (OSError, ValueError):
+      return False
+
+  @classmethod
+  def _read_once(cls) -> tuple[int, int]:
+    on = wait = 0
+    for task in os.listdir(cls.PATH):
+      try:
+        with open(os.path.join(cls.PATH, task, "schedstat")) as f:
+          a, b, _ = f.read().split()
+      except (OSError, ValueError):     # a thread that just ended
+        continue
+      on, wait = on + int(a), wait + int(b)
+    return on, wait
+
+  def _read(self) -> tuple[int, int]:
+    return self._read_once()
+
+  def warm_up(self) -> None:
+    self._last = self._read()
+
+  def measure(self) -> dict[int, float]:
+    """{device id: 1 / share} over the window since the previous call."""
+    now = self._read()
+    on, wait = now[0] - self._last[0], now[1] - self._last[1]
+    self._last = now
+    share = on / (on + wait) if on + wait > 0 else 1.0
+    return {d.id: 1.0 / max(share, 1e-3) for d in self.devices}
+
+
+def gather_times(local: dict[int, float], extra: float = 0.0) -> tuple[dict[int, float], float]:
+  """Shares per-device times (and one number per process) with every process.
+
+  Args:
+    local: {device id: seconds} measured by this process.
+    extra: a per-process scalar to share (e.g. this process's last step time).
+
+  Returns:
+    ({device id: seconds} over all processes, max of `extra` over processes), identical on
+    every process.
+  """
+  if jax.process_count() == 1:
+    return dict(local), float(extra)
+  from jax.experimental import multihost_utils
+  ids = sorted(local)
+  row = np.array([[i, local[i]] for i in ids] + [[-1.0, extra]], np.float64)
+  rows = np.asarray(multihost_utils.process_allgather(row))   # [P, len(ids) + 1, 2]
+  times = {int(i): float(t) for i, t in rows[:, :-1].reshape(-1, 2)}
+  return times, float(rows[:, -1, 1].max())
+
+
+def tensor_times(mesh: jax.sharding.Mesh, times: dict[int, float]) -> np.ndarray:
+  """float [N]: for each tensor position, the slowest time over its data replicas."""
+  devices = np.asarray(mesh.devices)
+  axis = mesh.axis_names.index(mesh_lib.TENSOR)
+  devices = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
+  return np.array([max(times[int(d.id)] for d in devices[:, t]) for t in range(devices.shape[1])])
+
+
+@dataclasses.dataclass
+class Regime:
+  """A period of stable per-device speeds."""
+
+  speeds: np.ndarray      # float [N], relative (fastest = 1)
+  start_s: float          # when it began (clock seconds)
+
+
+class SpeedTracker:
+  """Relative per-device speeds with smoothing and change detection (see module doc).
+
+  Args:
+    num_devices: N, tensor devices.
+    alpha: EWMA weight of a new sample inside a regime (in log space).
+    threshold: a device whose sample differs from the regime's level by more than this factor
+      (e.g. 0.2 = 20%) is deviating.
+    confirm: consecutive deviating samples that make a new regime (shorter = a burst, ignored).
+    min_expected_s: the shortest remaining duration `expected_remaining_s` returns.
+  """
+
+  def __init__(self, num_devices: int, *, alpha: float = 0.3, threshold: float = 0.2,
+               confirm: int = 3, min_expected_s: float = 1.0):
+    if not 0 < alpha <= 1:
+      raise ValueError(f"balance.alpha: must be in (0, 1], got {alpha}")
+    if not threshold > 0:
+      raise ValueError(f"balance.change_threshold: must be positive, got {threshold}")
+    if confirm < 1:
+      raise ValueError(f"balance.confirm: must be >= 1, got {confirm}")
+    self.num_devices, self.alpha, self.confirm = num_devices, alpha, confirm
+    self.log_threshold = math.log1p(threshold)
+    self.min_expected_s = min_expected_s
+    self.regime: Regime | None = None
+    self.history: list[tuple[float, np.ndarray]] = []   # (duration s, speeds) of past regimes
+    self._pending: list[tuple[float, np.ndarray]] = []
+    self.samples = 0
+
+  @property
+  def speeds(self) -> np.ndarray:
+    """float [N]: the current regime's smoothed relative speeds (ones before any sample)."""
+    return np.ones(self.num_devices) if self.regime is None else self.regime.speeds.copy()
+
+  def update(self, times, now: float) -> bool:
+    """Adds one sample: `times` [N] of the same work on each device, at clock time `now`.
+
+    Returns True when the sample confirmed a new regime.
+    """
+    times = np.asarray(times, np.float64)
+    if times.shape != (self.num_devices,) or not np.all(np.isfinite(times) & (times > 0)):
+      raise ValueError(f"speed sample: need {self.num_devices} positive times, got {times}")
+    self.samples += 1
+    raw = times.min() / times
+    if self.regime is None:
+      self.regime = Regime(raw, now)
+      return True
+    level = self.regime.speeds
+    if np.any(np.abs(np.log(raw) - np.log(level)) > self.log_threshold):
+      self._pending.append((now, raw))
+      if len(self._pending) < self.confirm:
+        return False
+      start = self._pending[0][0]
+      self.history.append((start - self.regime.start_s, level))
+      speeds = np.exp(np.mean([np.log(r) for _, r in self._pending], axis=0))
+      self.regime = Regime(speeds / speeds.max(), start)
+      self._pending = []
+      return True
+    self._pending = []
+    mixed = np.exp((1 - self.alpha) * np.log(level) + self.alpha * np.log(raw))
+    self.regime.speeds = mixed / mixed.max()
+    return False
+
+  def elapsed_s(self, now: float) -> float:
+    return 0.0 if self.regime is None else now - self.regime.start_s
+
+  def expected_remaining_s(self, now: float) -> float:
+    """How much longer the current regime is expected to last.
+
+    While the current regime is younger than the typical past one (the median of the last four
+    durations), what is left of that typical duration; with no past regime, or once this one
+    has outlasted the typical one (so the past says little about it: e.g. a short regime seen
+    at start-up before a lasting slowdown), as long as it has lasted so far (a change that has
+    persisted for t tends to persist for about t more). Never less than `min_expected_s`.
+    """
+    elapsed = self.elapsed_s(now)
+    guess = elapsed
+    if self.history:
+      typical = float(np.median([d for d, _ in self.history[-4:]]))
+      if elapsed < typical:
+        guess = typical - elapsed
+    return max(guess, self.min_expected_s)

@@ -1,0 +1,342 @@
+"""The tensor-parallel engine: padded state, sharded steps, one compiled variant per bucket.
+
+An `Engine` holds one model definition (an NNX graphdef with logical parameter shapes), a
+(data, tensor) mesh and an optax optimizer. It
+
+  * initializes parameters in logical form from a seed (so every layout starts from the same
+    model) and packs them into padded device-major arrays for a `Layout`;
+  * builds the loss under `jax.shard_map` (batch split over `data`, units over `tensor`) and the
+    pure train step `(state, batch, plan) -> (state, metrics)`;
+  * compiles that step ahead of time per layout *bucket* (capacities and compute widths). Owned
+    counts and active widths are data (`plan_lib.Plan`), so changing them inside a bucket reuses the
+    compiled step; `compile_count` counts the XLA compilations the engine asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from semijax.core import layout as layout_lib
+from semijax.core import mesh as mesh_lib
+from semijax.core import migrate
+from semijax.core import plan as plan_lib
+from semijax.core import resize as resize_lib
+from semijax.core import sharding
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("params", "opt_state"),
+                   meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """Parameters (pure dict) and optax state; padded or logical depending on context."""
+
+  params: Any
+  opt_state: Any
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def _signature(tree) -> tuple:
+  return tuple((jax.tree_util.keystr(k), tuple(v.shape), str(v.dtype))
+               for k, v in jax.tree_util.tree_leaves_with_path(tree))
+
+
+class Engine:
+  """Runs one model with uneven tensor parallelism on one mesh (see module doc).
+
+  Args:
+    model_fn: rngs -> nnx.Module with `__call__(inputs, plan)`, `input_key` and `unit_sizes()`.
+    loss_terms: (logits, batch) -> {"loss_sum", "count", "correct"} local sums (`tasks`).
+    mesh: a (data, tensor) mesh from `mesh.make_mesh`.
+    tx: the optax optimizer (applied to padded parameters; padded slots stay zero).
+    unit_ms: optional {kind: ms per unit} for emulated stragglers (`hetero.unit_ms`).
+    strict: if True, a step for a bucket that was not compiled raises instead of compiling.
+  """
+
+  def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], loss_terms: Callable,
+               mesh: jax.sharding.Mesh, tx: optax.GradientTransformation, *,
+               unit_ms: dict | None = None, strict: bool = False):
+    abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
+    self.graphdef, abstract_state = nnx.split(abstract)
+    bad = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_leaves_with_path(
+        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+           if not isinstance(v, nnx.Param)]
+    if bad:
+      raise ValueError(f"the engine trains nnx.Param only; found other variables at {bad}")
+    self.model_fn, self.loss_terms, self.mesh, self.tx = model_fn, loss_terms, mesh, tx
+    self.axes = sharding.axes_tree(abstract_state)
+    self.logical_shapes = jax.tree.map(lambda v: v.shape, nnx.to_pure_dict(abstract_state))
+    self.input_key = abstract.input_key
+    self.unit_sizes = abstract.unit_sizes()
+    self.num_units = self._num_units()
+    self.unit_ms = dict(unit_ms or {})
+    self.strict = strict
+    self._exercised: set = set()
+    self.param_shardings = sharding.shardings(self.axes, mesh)
+    self.replicated = NamedSharding(mesh, P())
+    self.batch_sharding = NamedSharding(mesh, P(mesh_lib.DATA))
+    self.feeds = mesh_lib.batch_feed(mesh)[1]     # row blocks the processes feed
+    self._compiled: dict = {}
+    self._packers: dict = {}   # jitted pack/unpack functions; index arrays are data
+    self._migrator = None
+    self.compile_count = 0
+    self.trace_count = 0
+
+  # --- layouts --------------------------------------------------------------------------------
+
+  def _num_units(self) -> dict:
+    out = {}
+    for a, shape in zip(jax.tree.leaves(self.axes), jax.tree.leaves(
+        self.logical_shapes, is_leaf=lambda x: isinstance(x, tuple))):
+      if (unit := a.unit()) is not None:
+        axis, kind = unit
+        out[kind] = shape[axis] // self.unit_sizes[kind]
+    return out
+
+  @property
+  def tensor_size(self) -> int:
+    return self.mesh.shape[mesh_lib.TENSOR]
+
+  @property
+  def data_size(self) -> int:
+    return self.mesh.shape[mesh_lib.DATA]
+
+  def check_layout(self, layout: layout_lib.Layout) -> None:
+    """Raises LayoutError unless `layout` fits this model and mesh."""
+    if layout.num_devices != self.tensor_size:
+      raise layout_lib.LayoutError(
+          f"layout: {layout.num_devices} devices, but mesh.tensor = {self.tensor_size}")
+    for kind, u in layout.kinds().items():
+      if u.num_units != self.num_units[kind]:
+        raise layout_lib.LayoutError(
+            f"layout.{kind}: {u.num_units} units, but the model has {self.num_units[kind]}")
+
+  def plan(self, layout: layout_lib.Layout, slowdown=None, resize=None,
+           offload=None, widths=None) -> plan_lib.Plan:
+    """The device-placed plan for a step with `layout`.
+
+    Args:
+      layout: the layout the state is packed in.
+      slowdown: optional emulated slowdown factor per tensor device.
+      resize: optional host `resize.Resize` (from `priority.Priority.select`).
+      offload: optional {kind: {straggler: {helper: units}}} (`offload.for_target` builds one):
+        helpers compute those units of the straggler every step, exactly. Every amount (and {})
+        shares one compiled step per bucket; None is the plain path (another compiled step).
+        Not combinable with `resize` (ValueError naming `offload`).
+      widths: optional {kind: compute widths} narrowing the compiled branches
+        (`plan_lib.uniform_widths`); another compiled step.
+    """
+    self.check_layout(layout)
+    if slowdown is not None and len(slowdown) != self.tensor_size:
+      raise ValueError(f"hetero.slowdown: {len(slowdown)} factors for {self.tensor_size} "
+                       "tensor devices")
+    return plan_lib.make_plan(layout, self.mesh, slowdown=slowdown, resize=resize, offload=offload,
+                        unit_ms=self.unit_ms if slowdown is not None else None, widths=widths)
+
+  def migrator(self):
+    """This engine's `migrate.Migrator` (one per engine, so its compiled moves are reused)."""
+    if self._migrator is None:
+      self._migrator = migrate.Migrator.for_engine(self)
+    return self._migrator
+
+  # --- parameters and optimizer state ---------------------------------------------------------
+
+  def _init_logical(self, seed: int) -> TrainState:
+    params = nnx.to_pure_dict(nnx.split(self.model_fn(nnx.Rngs(seed)))[1])
+    return TrainState(params, self.tx.init(params))
+
+  def init_logical(self, seed: int) -> TrainState:
+    """Logical parameters and optimizer state from `seed` (replicated)."""
+    return jax.jit(functools.partial(self._init_logical, seed), out_shardings=self.replicated)()
+
+  def abstract_logical(self) -> TrainState:
+    """Shapes, dtypes and (replicated) shardings of the logical state: a restore target."""
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated),
+        jax.eval_shape(functools.partial(self._init_logical, 0)))
+
+  def state_shardings(self, params_abstract) -> TrainState:
+    opt = jax.eval_shape(self.tx.init, params_abstract)
+    opt_sh = optax.tree_utils.tree_map_params(
+        self.tx, lambda x, a: NamedSharding(self.mesh, a.spec()), opt, self.axes,
+        transform_non_params=lambda x: self.replicated)
+    return TrainState(self.param_shardings, opt_sh)
+
+  def _padded_abstract_params(self, layout):
+    slots = {k: u.num_slots for k, u in layout.kinds().items()}
+    def one(a, shape):
+      if (unit := a.unit()) is None:
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+      axis, kind = unit
+      shape = list(shape)
+      shape[axis] = slots[kind] * self.unit_sizes[kind]
+      return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+    return jax.tree.map(one, self.axes, self.logical_shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+  def to_padded(self, logical: TrainState, layout: layout_lib.Layout) -> TrainState:
+    """Packs a logical state (params + optimizer moments) into `layout`'s padded arrays."""
+    self.check_layout(layout)
+    key = ("pack", layout.bucket())
+    if key not in self._packers:
+      out_sh = self.state_shardings(self._padded_abstract_params(layout))
+      self._packers[key] = jax.jit(self._pack_state, out_shardings=out_sh)
+    return self._packers[key](logical, sharding.slot_index(layout))
+
+  def to_logical(self, padded: TrainState, layout: layout_lib.Layout) -> TrainState:
+    """Unpacks a padded state into layout-independent logical arrays (replicated)."""
+    self.check_layout(layout)
+    if "unpack" not in self._packers:
+      self._packers["unpack"] = jax.jit(self._unpack_state, out_shardings=self.replicated)
+    return self._packers["unpack"](padded, sharding.unit_index(layout))
+
+  def _pack_state(self, state, slots):
+    pack = lambda t: sharding.pack_tree(t, self.axes, slots, self.unit_sizes)
+    one = lambda x, a: sharding.pack_tree(x, a, slots, self.unit_sizes)
+    return TrainState(pack(state.params),
+                      sharding.map_params(self.tx, one, state.opt_state, self.axes))
+
+  def _unpack_state(self, state, units):
+    unpack = lambda t: sharding.unpack_tree(t, self.axes, units, self.unit_sizes)
+    one = lambda x, a: sharding.unpack_tree(x, a, units, self.unit_sizes)
+    return TrainState(unpack(state.params),
+                      sharding.map_params(self.tx, one, state.opt_state, self.axes))
+
+  def init(self, seed: int, layout: layout_lib.Layout) -> TrainState:
+    """A padded train state for `layout`, identical in logical form for every layout."""
+    return self.to_padded(self.init_logical(seed), layout)
+
+  def relayout(self, state: TrainState, old: layout_lib.Layout,
+               new: layout_lib.Layout) -> TrainState:
+    """Moves a padded state from layout `old` to layout `new` (through the logical form)."""
+    return self.to_padded(self.to_logical(state, old), new)
+
+  # --- sharded computation --------------------------------------------------------------------
+
+  def shard_batch(self, batch: dict) -> dict:
+    """Host arrays (this process's rows of the global batch, `mesh.batch_feed`) -> arrays split
+    over `data`."""
+    def one(x):
+      x = np.asarray(x)
+      global_shape = (x.shape[0] * self.feeds,) + x.shape[1:]
+      return jax.make_array_from_process_local_data(self.batch_sharding, x, global_shape)
+    return jax.tree.map(one, batch)
+
+  def _local_terms(self, params, batch, plan):
+    model = nnx.merge(self.graphdef, params)
+    terms = self.loss_terms(model(batch[self.input_key], plan), batch)
+    return jax.lax.psum(terms, mesh_lib.DATA)
+
+  def _sharded(self, fn, out_specs, params, batch, plan):
+    in_specs = (sharding.specs(self.axes), jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
+                plan_lib.plan_specs(plan))
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
+        params, batch, plan)
+
+  def loss_terms_fn(self, params, batch, plan) -> dict:
+    """Global {"loss_sum", "count", "correct"} of padded `params` on a sharded batch."""
+    return self._sharded(self._local_terms, P(), params, batch, plan)
+
+  def loss(self, params, batch, plan):
+    """Mean loss over the global batch, and the summed terms."""
+    terms = self.loss_terms_fn(params, batch, plan)
+    return terms["loss_sum"] / terms["count"], terms
+
+  def logits(self, params, batch, plan) -> jax.Array:
+    """Logits [global batch, ...] (batch split over data), for tests and inspection."""
+    def local(params, batch, plan):
+      return nnx.merge(self.graphdef, params)(batch[self.input_key], plan)
+    return jax.jit(lambda p, b, pl: self._sharded(local, P(mesh_lib.DATA), p, b, pl))(
+        params, batch, plan)
+
+  def _train_step(self, state: TrainState, batch, plan):
+    self.trace_count += 1
+    (loss, terms), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch, plan)
+    if plan.resize is not None:
+      masks = resize_lib.skip_masks(plan.resize, plan.active, self.axes, self.unit_sizes)
+      grads = resize_lib.impute_gradients(plan.resize, masks, grads)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if plan.resize is not None:   # optionally keep skipped weights and moments as they were
+      params = resize_lib.freeze(plan.resize, masks, params, state.params)
+      opt_masks = sharding.map_params(self.tx, lambda _, m: m, opt_state, masks,
+                                      non_params=lambda _: jnp.zeros((), bool))
+      opt_state = resize_lib.freeze(plan.resize, opt_masks, opt_state, state.opt_state)
+    metrics = {"loss": loss, "accuracy": terms["correct"] / terms["count"],
+               "grad_norm": optax.tree.norm(grads)}
+    return TrainState(params, opt_state), metrics
+
+  def _eval_step(self, params, batch, plan):
+    self.trace_count += 1
+    return self.loss_terms_fn(params, batch, plan)
+
+  # --- compiled variants ----------------------------------------------------------------------
+
+  def _key(self, kind, state_or_params, plan, batch):
+    # The plan's tree structure holds its static parts (widths, emulation, resize settings);
+    # the parameter shapes hold the capacity (a narrowed plan's widths need not end at it).
+    params = state_or_params.params if kind == "train" else state_or_params
+    return (kind, tuple(x.shape for x in jax.tree.leaves(params)), jax.tree.structure(plan),
+            _signature(plan), _signature(batch))
+
+  def _compiled_fn(self, kind, state_or_params, batch, plan):
+    key = self._key(kind, state_or_params, plan, batch)
+    fn = self._compiled.get(key)
+    if fn is None:
+      if self.strict:
+        raise layout_lib.LayoutError(
+            f"layout.capacity: no compiled {kind} step for bucket {plan.widths} with these "
+            "shapes; compile it first (Engine.compile)")
+      if kind == "train":
+        jitted = jax.jit(self._train_step, donate_argnums=(0,),
+                         out_shardings=(self.state_shardings(state_or_params.params),
+                                        self.replicated))
+      else:
+        jitted = jax.jit(self._eval_step, out_shardings=self.replicated)
+      fn = jitted.lower(_abstract(state_or_params), _abstract(batch), _abstract(plan)).compile()
+      self.compile_count += 1
+      logging.info("compiled %s step for bucket %s (%d variants)", kind, plan.widths,
+                   len(self._compiled) + 1)
+      self._compiled[key] = fn
+    return fn
+
+  def compile(self, state: TrainState, batch, plan: plan_lib.Plan, eval_batch=None) -> None:
+    """Compiles (ahead of time) the train and eval steps for this state/batch/plan bucket."""
+    self._compiled_fn("train", state, batch, plan)
+    self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch,
+                      plan.exact())
+
+  def exercise(self, state: TrainState, batch, plan: plan_lib.Plan) -> None:
+    """Runs every branch of `plan`'s compiled train step once (`plan_lib.branch_plans`) on a throwaway
+    copy of `state`, so that their one-time first-run cost falls here, not in a timed step. Each
+    compiled step is exercised once per engine; `state` is left as it is."""
+    key = self._key("train", state, plan, batch)
+    if key in self._exercised:
+      return
+    step = self._compiled_fn("train", state, batch, plan)
+    for p in plan_lib.branch_plans(plan, self.mesh):
+      scratch = jax.tree.map(lambda x: x.copy(), state)
+      jax.block_until_ready(step(scratch, batch, p))
+    self._exercised.add(key)
+
+  def train_step(self, state: TrainState, batch, plan: plan_lib.Plan):
+    """One optimizer step; `state` is donated. Returns (new state, metrics dict of scalars)."""
+    return self._compiled_fn("train", state, batch, plan)(state, batch, plan)
+
+  def eval_terms(self, params, batch, plan: plan_lib.Plan) -> dict:
+    """Summed loss terms of one evaluation batch; evaluation is exact (`plan.resize` ignored,
+    `plan.offload` kept: it is exact)."""
+    plan = plan.exact()   # evaluation never resizes
+    return self._compiled_fn("eval", params, batch, plan)(params, batch, plan)

@@ -1,0 +1,224 @@
+"""Per-device compute kernels of uneven tensor parallelism, at bucketed widths.
+
+Everything here runs *inside* `jax.shard_map` on local blocks. A column-parallel GEMM followed by a
+row-parallel GEMM (Megatron) produces, on every tensor device, a partial sum of the full output;
+one `psum` over the `tensor` axis (in `tp.row_parallel`) completes it.
+
+Uneven work: device d computes only its first `active[d]` unit slots. Masking alone would still
+run GEMMs at the capacity C, so each block is compiled at a few bucket widths and `lax.switch`
+picks, per device and at run time, the smallest width >= active[d] (`at_width`). The branch index
+is data, so changing counts or actives inside a capacity bucket never recompiles.
+
+Each branch is rematerialized (`jax.checkpoint`) in the backward pass. Without it `lax.cond` keeps
+the residuals of *every* branch, zero-filled for the branches not taken, which costs more than
+the recomputed forward and makes small widths as slow as large ones.
+
+`Cut` describes what a ZERO-resized device leaves out of a block (`core.resize`); `mlp_partial`
+and `attention_partial` compute one device's partial block output, exact or cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def bucket_index(active: jax.Array, widths: tuple[int, ...]) -> jax.Array:
+  """Index of the smallest width >= active (int32 scalar); widths are ascending."""
+  return jnp.sum(active > jnp.asarray(widths[:-1], active.dtype)).astype(jnp.int32)
+
+
+def at_bucket(index: jax.Array, variants: tuple, fn: Callable, *operands):
+  """Runs `fn(variants[index], *operands)`: static variants, a traced index (see module doc)."""
+  if len(variants) == 1:
+    return fn(variants[0], *operands)
+  branches = [jax.checkpoint(functools.partial(fn, v)) for v in variants]
+  return jax.lax.switch(index, branches, *operands)
+
+
+def at_width(active: jax.Array, widths: tuple[int, ...], fn: Callable, *operands):
+  """Runs `fn(width, *operands)` at this device's bucket width (see module doc).
+
+  Args:
+    active: int32 scalar, units this device computes.
+    widths: static ascending bucket widths.
+    fn: fn(width, *operands) -> outputs; all widths must give outputs of the same shape.
+  """
+  return at_bucket(bucket_index(active, widths), widths, fn, *operands)
+
+
+MLP_UNITS = ((1, 1), (0, 1), (0, 1))   # (unit axis, unit size) of w1, b1, w2
+
+
+def attention_units(head_dim: int) -> tuple:
+  """(unit axis, unit size) of wq, bq, wk, bk, wv, bv, wo: one unit is one head."""
+  col, bias, row = (1, head_dim), (0, head_dim), (0, head_dim)
+  return (col, bias, col, bias, col, bias, row)
+
+
+def unit_mask(width: int, active: jax.Array, dtype) -> jax.Array:
+  """[width] 1.0 on the first `active` slots, 0.0 after."""
+  return (jnp.arange(width) < active).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+  """What a resized device leaves out of one block (built inside shard_map, local values).
+
+  units mode (feats is None): the block computes only slots `units[:kept]` (both GEMMs shrink).
+  contraction mode: the column GEMMs contract over input features `feats[:feats_kept]` only and
+  the row GEMM over slots `units[:kept]` only; output shapes are unchanged.
+
+  Attributes:
+    units: int32 [C] a permutation of the local slots, kept ones first.
+    kept: int32 scalar, how many of `units` are computed.
+    feats: int32 [D] a permutation of the d_model input features, kept first, or None (units
+      mode).
+    feats_kept: int32 scalar.
+    col_scale, row_scale: scalars multiplying the column / row GEMM results (1.0, or full/kept
+      for the `rescale` imputation).
+    row_width, feat_width: static compute widths of the row GEMM's slots and of the features
+      (contraction mode).
+  """
+
+  units: jax.Array
+  kept: jax.Array
+  feats: jax.Array | None = None
+  feats_kept: jax.Array | None = None
+  col_scale: jax.Array | float = 1.0
+  row_scale: jax.Array | float = 1.0
+  row_width: int = 0
+  feat_width: int = 0
+
+
+def _entries(idx, unit_size):
+  """Unit indices [k] -> entry indices [k*unit_size] along an axis with unit_size per unit."""
+  if unit_size == 1:
+    return idx
+  return (idx[:, None] * unit_size + jnp.arange(unit_size)).reshape(-1)
+
+
+def permuted_take(a, perm, k, axis, unit_size=1):
+  """a's units `perm[:k]` along `axis`; `perm` is a permutation of all units on that axis.
+
+  The same values as `jnp.take`, but the gradient is *gathered* back through the inverse
+  permutation instead of scattered (a scatter is slow on CPUs, and the activations of the
+  contraction mode go through here).
+  """
+  # Inside shard_map `a` may be replicated where `perm` varies over devices: adding a zero that
+  # varies like `perm` makes it varying first, so autodiff (not the custom rule) sums its gradient.
+  a = a + (perm[0] * 0).astype(a.dtype)
+  return _permuted_take(a, perm, k, axis, unit_size)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _permuted_take(a, perm, k, axis, unit_size):
+  return jnp.take(a, _entries(perm[:k], unit_size), axis=axis)
+
+
+def _permuted_fwd(a, perm, k, axis, unit_size):
+  return _permuted_take(a, perm, k, axis, unit_size), perm
+
+
+def _permuted_bwd(k, axis, unit_size, perm, g):
+  pad = [(0, 0)] * g.ndim
+  pad[axis] = (0, perm.shape[0] * unit_size - g.shape[axis])
+  inv = _entries(jnp.argsort(perm), unit_size)
+  return jnp.take(jnp.pad(g, pad), inv, axis=axis), None
+
+
+_permuted_take.defvjp(_permuted_fwd, _permuted_bwd)
+
+
+def _column(x, w, b, width, unit_size, cut):
+  """Column-parallel GEMM of x [..., d_model] with the local block w [d_model, C*unit_size].
+
+  Returns [..., width*unit_size]: the first `width` slots, or the slots `cut.units[:width]` in
+  units mode; in contraction mode only the features `cut.feats[:cut.feats_kept]` are summed.
+  """
+  n = width * unit_size
+  if cut is None:
+    return x @ w[:, :n] + b[:n]
+  if cut.feats is None:
+    take = lambda a, axis: permuted_take(a, cut.units, width, axis, unit_size)
+    return x @ take(w, 1) + take(b, 0)
+  fw = cut.feat_width
+  xf = permuted_take(x, cut.feats, fw, x.ndim - 1) * unit_mask(fw, cut.feats_kept, x.dtype)
+  return (xf @ permuted_take(w[:, :n], cut.feats, fw, 0)) * cut.col_scale + b[:n]
+
+
+def _row(h, w, width, unit_size, cut):
+  """Row-parallel GEMM of h [..., width, unit_size] (masked) with w [C*unit_size, d_model].
+
+  Returns this device's partial sum [..., d_model], times `cut.row_scale`. In contraction mode
+  it sums only over the slots `cut.units[:cut.kept]`.
+  """
+  flat = lambda a: a.reshape(*a.shape[:-2], a.shape[-2] * unit_size)
+  if cut is None:
+    return flat(h) @ w[:width * unit_size]
+  if cut.feats is None:   # units mode: h already holds the selected units
+    return (flat(h) @ permuted_take(w, cut.units, width, 0, unit_size)) * cut.row_scale
+  rw, capacity = cut.row_width, cut.units.shape[0]
+  pad = [(0, 0)] * h.ndim
+  pad[-2] = (0, capacity - width)
+  hk = permuted_take(jnp.pad(h, pad), cut.units, rw, h.ndim - 2)
+  hk = hk * unit_mask(rw, cut.kept, h.dtype)[:, None]
+  return (flat(hk) @ permuted_take(w, cut.units, rw, 0, unit_size)) * cut.row_scale
+
+
+def _computed(width, active, cut):
+  """int32 scalar: how many leading computed slots are real (the rest are masked to zero)."""
+  return active if cut is None or cut.feats is not None else cut.kept
+
+
+def mlp_partial(width, x, w1, b1, w2, active, cut: Cut | None = None):
+  """This device's partial MLP output, computed at `width` units.
+
+  Args:
+    width: static compute width (<= C).
+    x: [..., d_model] activations (replicated over `tensor`).
+    w1: [d_model, C] local column block; b1: [C]; w2: [C, d_model] local row block.
+    active: int32 scalar; slots >= active contribute zero.
+    cut: what a resized device leaves out (`Cut`), or None for the exact block.
+
+  Returns:
+    [..., d_model] partial sum (before the all-reduce, without the output bias).
+  """
+  h = jax.nn.gelu(_column(x, w1, b1, width, 1, cut))
+  h = h * unit_mask(width, _computed(width, active, cut), h.dtype)
+  return _row(h[..., None], w2, width, 1, cut)
+
+
+def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | None = None, *,
+                      head_dim, causal):
+  """This device's partial attention output, computed at `width` heads.
+
+  Args:
+    width: static compute width in heads (<= C).
+    x: [batch, seq, d_model] activations (replicated over `tensor`).
+    wq, wk, wv: [d_model, C*head_dim] local column blocks; bq, bk, bv: [C*head_dim];
+    wo: [C*head_dim, d_model] local row block.
+    active: int32 scalar; heads >= active contribute zero.
+    cut: what a resized device leaves out (`Cut`), or None for the exact block.
+    head_dim: features per head. causal: mask future positions.
+
+  Returns:
+    [batch, seq, d_model] partial sum (before the all-reduce, without the output bias).
+  """
+  heads = lambda w, b: _column(x, w, b, width, head_dim, cut).reshape(
+      *x.shape[:-1], width, head_dim)
+  q, k, v = heads(wq, bq), heads(wk, bk), heads(wv, bv)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q / math.sqrt(head_dim), k)
+  if causal:
+    seq = x.shape[-2]
+    keep = jnp.tril(jnp.ones((seq, seq), bool))
+    logits = jnp.where(keep, logits, jnp.finfo(logits.dtype).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+  out = out * unit_mask(width, _computed(width, active, cut), out.dtype)[:, None]
+  return _row(out, wo, width, head_dim, cut)

@@ -1,0 +1,450 @@
+"""Lossless migration: move unit ownership between tensor devices with one compiled collective.
+
+A migration takes a padded state from layout A to layout B (same units, new owners, counts or
+slot order). Only units whose owner changes travel; units that stay may change slot (compaction)
+with a local gather. Per unit kind and leaf, on every tensor device d:
+
+  1. gather the units d sends to device t into chunk t of a small send buffer [N*K, ...]
+     (K = `chunk` slots per device pair);
+  2. exchange the buffers with one `all_to_all` over `tensor` (chunk t goes to device t); the
+     buffers of all leaves of a kind (weights, biases and optimizer moments of every layer) are
+     concatenated first, so there is one all_to_all per kind, and none for a kind with K = 0;
+  3. gather the staying units into their new slots (the rest is zero) and scatter the received
+     units into theirs.
+
+Exact copies only: A -> B -> A returns the padded state bit for bit, and padding stays zero. Local
+work is one gather over each unit leaf (compaction) plus O(N*K) rows; communication is the
+all_to_all.
+
+What compiles: the index arrays (`MovePlan`) are data of fixed shape, sharded over `tensor`, so
+one executable serves every A -> B pair with the same capacities (C_A, C_B) and chunk K per kind.
+`chunk=None` takes K = min(C_A, C_B), which fits any migration, so a capacity bucket needs one
+executable; its all_to_all then carries N*(N-1)*K slots per kind whatever moves (as much as an
+all-gather of the padded state). `chunk="tight"` takes the smallest power of two that fits this
+migration's busiest device pair (0 for a kind that moves nothing): it sends far less and compiles
+once per distinct K (at most log2(C) + 2 per kind, which can be compiled ahead of time).
+
+A bucket switch (C_B != C_A) is the same program at other shapes: one compile per (C_A, C_B, K),
+and it moves only the units that change owner (no all-gather of the logical arrays).
+
+`ragged_all_to_all` would send exactly the moved units, but XLA:CPU does not implement it, so the
+fixed-chunk all_to_all is the portable path built and tested here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from semijax.core import layout as layout_lib
+from semijax.core import mesh as mesh_lib
+from semijax.core import sharding
+
+LayoutError = layout_lib.LayoutError
+
+
+# --- planning (host, numpy) -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KindMoves:
+  """The moves of one unit kind from layout A to layout B (host arrays, global).
+
+  Attributes:
+    kind: "mlp" or "heads".
+    capacity_from, capacity_to: C_A and C_B.
+    chunk: K, slots per (source, destination) device pair in the all_to_all.
+    send: int32 [N, N*K]: row d, entry t*K + k is device d's local slot (under A) of the k-th
+      unit it sends to device t; C_A means nothing (a zero-filled slot).
+    keep: int32 [N, C_B]: for each slot of device d under B, the local slot under A of the unit
+      that stays there; C_A for a received unit or padding (zero).
+    place: int32 [N, N*K]: the slot under B of the unit received at entry s*K + k (from device
+      s); C_B means nothing (dropped).
+    pairs: int32 [N, N]: units moved from device d to device t (zero diagonal).
+  """
+
+  kind: str
+  capacity_from: int
+  capacity_to: int
+  chunk: int
+  send: np.ndarray
+  keep: np.ndarray
+  place: np.ndarray
+  pairs: np.ndarray
+
+  @property
+  def moved(self) -> int:
+    """Units that change owner."""
+    return int(self.pairs.sum())
+
+  @property
+  def num_devices(self) -> int:
+    return self.pairs.shape[0]
+
+  @property
+  def wire_slots(self) -> int:
+    """Unit slots the all_to_all carries between distinct devices: N*(N-1)*K."""
+    n = self.num_devices
+    return n * (n - 1) * self.chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Moves:
+  """A validated migration from layout `src` to layout `dst` (see `plan`)."""
+
+  src: layout_lib.Layout
+  dst: layout_lib.Layout
+  kinds: dict  # {kind: KindMoves}
+
+  def key(self) -> tuple:
+    """What the compiled collective depends on: ((kind, C_A, C_B, K), ...)."""
+    return tuple((k, m.capacity_from, m.capacity_to, m.chunk) for k, m in self.kinds.items())
+
+  def units_moved(self) -> dict:
+    return {k: m.moved for k, m in self.kinds.items()}
+
+
+def _tight_chunk(need: int, limit: int) -> int:
+  return min(limit, 1 << max(0, int(need - 1).bit_length())) if need else 0
+
+
+def _kind_moves(a: layout_lib.UnitLayout, b: layout_lib.UnitLayout, chunk) -> KindMoves:
+  n, f = a.num_devices, f"migration.chunk.{a.kind}"
+  owner_a = np.empty(a.num_units, np.int64)
+  local_a = np.empty(a.num_units, np.int64)
+  for d, units in enumerate(a.owned):
+    owner_a[list(units)] = d
+    local_a[list(units)] = np.arange(len(units))
+  # Units each pair sends, in the destination's slot order (deterministic).
+  lists = [[[] for _ in range(n)] for _ in range(n)]
+  for d, units in enumerate(b.owned):
+    for u in units:
+      if owner_a[u] != d:
+        lists[owner_a[u]][d].append(u)
+  pairs = np.array([[len(lists[s][t]) for t in range(n)] for s in range(n)], np.int32)
+  limit = min(a.capacity, b.capacity)
+  if chunk is None:
+    k = limit
+  elif chunk == "tight":
+    k = _tight_chunk(int(pairs.max()), limit)
+  else:
+    k = int(chunk)
+    if k < 0:
+      raise LayoutError(f"{f}: must be >= 0, got {chunk!r}")
+    if pairs.max() > k:
+      s, t = np.unravel_index(int(np.argmax(pairs)), pairs.shape)
+      raise LayoutError(f"{f}: device {s} sends {pairs[s, t]} units to device {t}, more than "
+                        f"chunk {k}; use a larger chunk or chunk=None")
+  send = np.full((n, n * k), a.capacity, np.int32)
+  place = np.full((n, n * k), b.capacity, np.int32)
+  slot_b = {u: slot for units in b.owned for slot, u in enumerate(units)}
+  for s in range(n):
+    for t in range(n):
+      for i, u in enumerate(lists[s][t]):
+        send[s, t * k + i] = local_a[u]
+        place[t, s * k + i] = slot_b[u]
+  keep = np.full((n, b.capacity), a.capacity, np.int32)
+  for d, units in enumerate(b.owned):
+    for slot, u in enumerate(units):
+      if owner_a[u] == d:
+        keep[d, slot] = local_a[u]
+  return KindMoves(a.kind, a.capacity, b.capacity, k, send, keep, place, pairs)
+
+
+def plan(src: layout_lib.Layout, dst: layout_lib.Layout, *, chunk=None,
+         max_capacity: dict | None = None) -> Moves:
+  """Validates a layout change and computes its moves (host only; nothing is compiled or moved).
+
+  Args:
+    src, dst: layouts A and B of the same model on the same tensor devices.
+    chunk: None (K = min(C_A, C_B): one executable per capacity pair), "tight" (smallest power
+      of two that fits, 0 if nothing moves), an int for every kind, or {kind: any of those}.
+    max_capacity: optional {kind: largest compiled capacity}; B above it is refused.
+
+  Raises:
+    LayoutError: naming the field: `layout` (device count), `layout.<kind>.num_units` (units
+      lost or added), `layout.<kind>.capacity` (above the largest bucket), `migration.chunk.<kind>`.
+  """
+  if src.num_devices != dst.num_devices:
+    raise LayoutError(f"layout: the new layout has {dst.num_devices} devices, the current one "
+                      f"{src.num_devices}; migration keeps the tensor devices")
+  chunks = chunk if isinstance(chunk, dict) else {k: chunk for k in layout_lib.KINDS}
+  max_capacity = dict(max_capacity or {})
+  kinds = {}
+  for kind, a in src.kinds().items():
+    b = dst.kinds()[kind]
+    if b.num_units != a.num_units:
+      raise LayoutError(f"layout.{kind}.num_units: the new layout has {b.num_units} units, the "
+                        f"current one {a.num_units}; a migration cannot lose or add units")
+    if kind in max_capacity and b.capacity > max_capacity[kind]:
+      d = int(np.argmax(b.counts))
+      raise LayoutError(
+          f"layout.{kind}.capacity: {b.capacity} (device {d} owns {b.counts[d]} units) is above "
+          f"the largest bucket {max_capacity[kind]}")
+    kinds[kind] = _kind_moves(a, b, chunks.get(kind))
+  return Moves(src, dst, kinds)
+
+
+def move_units(layout: layout_lib.Layout, moves: dict, *,
+               capacities: dict | None = None) -> layout_lib.Layout:
+  """A new layout in which the given units change owner; every unit becomes active.
+
+  The receiving device appends a unit after its own; the sender closes the gap (compaction).
+
+  Args:
+    layout: the current layout.
+    moves: {kind: [(unit, new owner), ...]}.
+    capacities: optional {kind: ascending capacity buckets}. If a device would exceed the
+      current capacity, the smallest bucket that fits is used; without it, overflow is refused.
+
+  Raises:
+    LayoutError: `layout.<kind>.owned` for a bad unit or device, `layout.<kind>.capacity` when no
+      bucket fits.
+  """
+  new = {}
+  for kind, u in layout.kinds().items():
+    owned = [list(o) for o in u.owned]
+    owner = {x: d for d, o in enumerate(owned) for x in o}
+    for unit, dst in moves.get(kind, ()):
+      if unit not in owner:
+        raise LayoutError(f"layout.{kind}.owned: unit {unit} is not in [0, {u.num_units})")
+      if not 0 <= dst < u.num_devices:
+        raise LayoutError(f"layout.{kind}.owned: device {dst} is not in [0, {u.num_devices})")
+      if owner[unit] != dst:
+        owned[owner[unit]].remove(unit)
+        owned[dst].append(unit)
+        owner[unit] = dst
+    counts = [len(o) for o in owned]
+    capacity, widths = u.capacity, u.widths
+    if max(counts) > capacity:
+      fits = [c for c in (capacities or {}).get(kind, ()) if c >= max(counts)]
+      if not fits:
+        d = int(np.argmax(counts))
+        raise LayoutError(
+            f"layout.{kind}.capacity: device {d} would own {counts[d]} units, above capacity "
+            f"{capacity} and every bucket in {tuple((capacities or {}).get(kind, ()))}")
+      capacity = min(fits)
+      widths = layout_lib.default_widths(capacity, len(u.widths))
+    new[kind] = layout_lib.UnitLayout(kind, u.num_units, tuple(tuple(o) for o in owned),
+                                      capacity, tuple(counts), widths)
+  return layout_lib.Layout(**new)
+
+
+# --- execution (one jitted shard_map) ---------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("send", "keep", "place"),
+                   meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class MovePlan:
+  """Device-placed index arrays of a `Moves`: {kind: int32 [N, ...]} split over `tensor`."""
+
+  send: dict
+  keep: dict
+  place: dict
+
+
+def _unit_leaves(axes):
+  """[(index into leaves, axis, kind)] for every leaf with a unit axis."""
+  out = []
+  for i, a in enumerate(jax.tree.leaves(axes)):
+    if (unit := a.unit()) is not None:
+      out.append((i, *unit))
+  return out
+
+
+def _elements(slots, unit_size):
+  """Unit slots [K] -> entry indices [K*unit_size] along a unit axis."""
+  return (slots[:, None] * unit_size + jnp.arange(unit_size)).reshape(-1)
+
+
+def _on_axis(axis, idx):
+  return (slice(None),) * axis + (idx,)
+
+
+def _local_migrate(leaves, plan: MovePlan, *, units, unit_sizes, key):
+  """Runs inside shard_map on local blocks (see module doc).
+
+  Args:
+    leaves: local arrays; a unit leaf has C_A*unit_size entries on its unit axis.
+    plan: local index arrays: send [1, N*K], keep [1, C_B], place [1, N*K] per kind.
+    units: [(leaf index, unit axis, kind)] (static).
+    key: ((kind, C_A, C_B, K), ...) (static).
+
+  Returns:
+    The local leaves with C_B*unit_size entries on unit axes (other leaves unchanged).
+  """
+  out = list(leaves)
+  last = None
+  for kind, _, _, chunk in key:
+    u = unit_sizes.get(kind)
+    members = [(i, axis) for i, axis, k in units if k == kind]
+    for i, axis in members:           # staying units into their new slots, zeros elsewhere
+      out[i] = jnp.take(leaves[i], _elements(plan.keep[kind][0], u), axis=axis, mode="fill",
+                        fill_value=0)
+    if not chunk or not members:
+      continue
+    # Group the kind's leaves by dtype: one all_to_all per (kind, dtype).
+    groups: dict = {}
+    for i, axis in members:
+      groups.setdefault(jnp.dtype(leaves[i].dtype), []).append((i, axis))
+    send = _elements(plan.send[kind][0], u)
+    place = _elements(plan.place[kind][0], u)
+    for group in groups.values():
+      parts = []
+      for i, axis in group:           # [.., N*K*u, ..] -> [N*K, u * rest]
+        x = jnp.take(leaves[i], send, axis=axis, mode="fill", fill_value=0)
+        x = jnp.moveaxis(x, axis, 0)
+        parts.append((x.shape[1:], x.reshape(x.shape[0] // u, -1)))
+      buf = jnp.concatenate([p for _, p in parts], axis=1)                  # [N*K, F]
+      if last is not None:
+        # Every device must enter the collectives in the same order (XLA:CPU runs independent
+        # ones in any order per device, and a rendezvous then waits forever): chain them.
+        buf, _ = jax.lax.optimization_barrier((buf, last))
+      recv = last = jax.lax.all_to_all(buf, mesh_lib.TENSOR, 0, 0, tiled=True)  # [N*K, F]
+      offsets = np.cumsum([0] + [p.shape[1] for _, p in parts])
+      for (i, axis), (shape, _), lo, hi in zip(group, parts, offsets[:-1], offsets[1:]):
+        r = jnp.moveaxis(recv[:, lo:hi].reshape(-1, *shape), 0, axis)
+        out[i] = out[i].at[_on_axis(axis, place)].set(r, mode="drop")
+  return out
+
+
+def _signature(tree) -> tuple:
+  return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(tree))
+
+
+class Migrator:
+  """Executes `Moves` on padded trees of one mesh: one jitted shard_map program (one all_to_all
+  per unit kind), compiled once per (moves key, tree shapes).
+
+  Args:
+    mesh: the (data, tensor) mesh the padded trees live on.
+    unit_sizes: {kind: entries per unit on the unit axis}, e.g. {"mlp": 1, "heads": head_dim}.
+    donate: donate the input tree (saves a copy of the state; the input is then invalid).
+  """
+
+  def __init__(self, mesh: jax.sharding.Mesh, unit_sizes: dict, *, donate: bool = False):
+    self.mesh, self.unit_sizes, self.donate = mesh, dict(unit_sizes), donate
+    self._compiled: dict = {}
+    self.compile_count = 0
+
+  @classmethod
+  def for_engine(cls, engine, **kw) -> "Migrator":
+    return cls(engine.mesh, engine.unit_sizes, **kw)
+
+  def device_plan(self, moves: Moves) -> MovePlan:
+    """The index arrays of `moves`, placed on the mesh (split over `tensor`)."""
+    shard = NamedSharding(self.mesh, P(mesh_lib.TENSOR))
+    put = lambda x: jax.device_put(x, shard)
+    return MovePlan(*({k: put(getattr(m, f)) for k, m in moves.kinds.items()}
+                      for f in ("send", "keep", "place")))
+
+  def check(self, tree, axes, moves: Moves) -> None:
+    """Raises LayoutError unless `tree` is a padded tree of `moves.src` on this mesh."""
+    n = self.mesh.shape[mesh_lib.TENSOR]
+    if moves.src.num_devices != n:
+      raise LayoutError(f"layout: {moves.src.num_devices} devices, but mesh.tensor = {n}")
+    if jax.tree.structure(axes) != jax.tree.structure(tree):
+      raise LayoutError("migration.axes: the axes tree does not match the tree's structure")
+    paths = jax.tree_util.tree_leaves_with_path(tree)
+    for i, axis, kind in _unit_leaves(axes):
+      path, x = paths[i]
+      if kind not in self.unit_sizes:
+        raise LayoutError(f"migration.unit_sizes: no unit size for kind {kind!r}")
+      want = n * moves.kinds[kind].capacity_from * self.unit_sizes[kind]
+      if x.shape[axis] != want:
+        raise LayoutError(
+            f"migration.tree{jax.tree_util.keystr(path)}: unit axis {axis} has {x.shape[axis]} "
+            f"entries, but the current layout's padded {kind} axis has N*C*unit = {want}")
+
+  def _compiled_fn(self, tree, axes, moves: Moves, device_plan: MovePlan):
+    key = (moves.key(), jax.tree.structure(tree), _signature(tree), tuple(jax.tree.leaves(axes)))
+    fn = self._compiled.get(key)
+    if fn is not None:
+      return fn
+    units = _unit_leaves(axes)
+    leaf_specs = [a.spec() for a in jax.tree.leaves(axes)]
+    treedef = jax.tree.structure(tree)
+    plan_specs = jax.tree.map(lambda _: P(mesh_lib.TENSOR), device_plan)
+    local = functools.partial(_local_migrate, units=units, unit_sizes=self.unit_sizes,
+                              key=moves.key())
+    body = jax.shard_map(local, mesh=self.mesh, in_specs=(leaf_specs, plan_specs),
+                         out_specs=leaf_specs)
+
+    def run(tree, plan):
+      return jax.tree.unflatten(treedef, body(jax.tree.leaves(tree), plan))
+
+    out_sh = jax.tree.unflatten(treedef, [NamedSharding(self.mesh, s) for s in leaf_specs])
+    jitted = jax.jit(run, out_shardings=out_sh, donate_argnums=(0,) if self.donate else ())
+    abstract = lambda t: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
+    fn = jitted.lower(abstract(tree), abstract(device_plan)).compile()
+    self.compile_count += 1
+    logging.info("compiled migration %s (%d variants)", moves.key(), len(self._compiled) + 1)
+    self._compiled[key] = fn
+    return fn
+
+  def compile(self, tree, axes, moves: Moves) -> None:
+    """Compiles (ahead of time) the collective for `moves`' key and this tree's shapes."""
+    self.check(tree, axes, moves)
+    self._compiled_fn(tree, axes, moves, self.device_plan(moves))
+
+  def __call__(self, tree, axes, moves: Moves):
+    """Moves a padded tree from layout `moves.src` to `moves.dst`.
+
+    Args:
+      tree: padded arrays (global, unit axes split over `tensor`) of layout A.
+      axes: an `Axes` tree of the same structure; leaves without a unit axis are left as they are.
+      moves: from `plan(A, B)`.
+
+    Returns:
+      The same tree in layout B (unit axes N*C_B*unit_size long, padding zero).
+    """
+    self.check(tree, axes, moves)
+    device_plan = self.device_plan(moves)
+    return self._compiled_fn(tree, axes, moves, device_plan)(tree, device_plan)
+
+  def migrate_state(self, state, moves: Moves, tx, axes):
+    """Migrates an engine `TrainState` (parameters and every parameter-shaped optimizer leaf)."""
+    return self(state, state_axes(state, tx, axes), moves)
+
+
+def state_axes(state, tx, axes):
+  """The `Axes` tree of a TrainState(params, opt_state): optimizer moments get their
+  parameter's axes (`sharding.map_params`), other leaves (step counts) none."""
+  none = lambda x: sharding.Axes((None,) * jnp.ndim(x))
+  opt = sharding.map_params(tx, lambda x, a: a, state.opt_state, axes)
+  opt = jax.tree.map(lambda x: x if isinstance(x, sharding.Axes) else none(x), opt)
+  return dataclasses.replace(state, params=axes, opt_state=opt)
+
+
+_MIGRATORS: dict = {}   # one Migrator (and compile cache) per (mesh, unit sizes)
+
+
+def migrate(tree, axes, moves: Moves, *, mesh: jax.sharding.Mesh, unit_sizes: dict):
+  """Functional form of `Migrator(mesh, unit_sizes)(tree, axes, moves)`, sharing compiles."""
+  key = (mesh, tuple(sorted(unit_sizes.items())))
+  if key not in _MIGRATORS:
+    _MIGRATORS[key] = Migrator(mesh, unit_sizes)
+  return _MIGRATORS[key](tree, axes, moves)
+
+
+def payload_bytes(tree, axes, moves: Moves, unit_sizes: dict) -> dict:
+  """{"moved": bytes of the units that change owner, "wire": bytes the all_to_all carries
+  between distinct devices} for a padded tree of layout `moves.src` (summed over all leaves)."""
+  per_unit = {k: 0 for k in moves.kinds}
+  n = moves.src.num_devices
+  leaves = jax.tree.leaves(tree)
+  for i, _, kind in _unit_leaves(axes):
+    x = leaves[i]
+    per_unit[kind] += x.size // (n * moves.kinds[kind].capacity_from) * x.dtype.itemsize
+  moved = sum(per_unit[k] * m.moved for k, m in moves.kinds.items())
+  wire = sum(per_unit[k] * m.wire_slots for k, m in moves.kinds.items())
+  return {"moved": int(moved), "wire": int(wire), "per_unit": per_unit}

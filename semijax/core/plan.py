@@ -1,0 +1,172 @@
+"""The step plan: what every tensor device computes in one step, as data of a compiled step.
+
+A `Plan` holds the per-device active counts, the emulated slowdown, the resize arrays and the
+offload plans of one step (data, split over `tensor`), and the compiled bucket widths (static).
+Changing the data never recompiles; changing the static parts selects another compiled variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from semijax.core import layout as layout_lib
+from semijax.core import mesh as mesh_lib
+from semijax.core import offload as offload_lib
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("active", "slowdown", "resize", "offload"),
+                   meta_fields=("widths", "unit_ms"))
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What every tensor device computes in one step.
+
+  Attributes:
+    active: {kind: int32 [N]} leading slots each device computes ([1] locally in shard_map).
+    slowdown: float32 [N] emulated slowdown factor per tensor device (1.0 = nominal), or None for
+      no emulation ([1] locally).
+    resize: a `resize.Resize` (ZERO-resizing: which units / features each device skips in each
+      layer), or None for exact computation. Inside a block, `layer(i)` has sliced it to layer i.
+    offload: {kind: `offload.OffloadPlan`} for every kind (the same in every layer), or None: which
+      units each device sends to helpers and computes for others. Exact, so `exact()` keeps it.
+    widths: ((kind, compute widths), ...), static: the compiled bucket widths.
+    unit_ms: ((kind, ms), ...), static: emulated milliseconds per unit of executed width at
+      slowdown 1 (forward plus backward); only used when `slowdown` is not None.
+  """
+
+  active: dict
+  slowdown: jax.Array | None
+  widths: tuple
+  unit_ms: tuple = ()
+  resize: object = None
+  offload: dict | None = None
+
+  def widths_of(self, kind: str) -> tuple[int, ...]:
+    return dict(self.widths)[kind]
+
+  def unit_ms_of(self, kind: str) -> float:
+    return dict(self.unit_ms).get(kind, 0.0)
+
+  def layer(self, i: int) -> "Plan":
+    """The plan of block i: resize arrays [N, L, ...] sliced to [N, ...] (or [1, ...] locally)."""
+    if self.resize is None:
+      return self
+    return dataclasses.replace(self, resize=self.resize.layer(i))
+
+  def exact(self) -> "Plan":
+    """The same plan without resizing (evaluation always computes every owned unit).
+
+    Offload is kept: it computes exactly the same values, and balances evaluation steps too.
+    """
+    return dataclasses.replace(self, resize=None)
+
+
+def uniform_widths(layout: layout_lib.Layout) -> dict | None:
+  """{kind: (w,)} when, in every kind, every device executes the same bucket width w; else None.
+
+  An exact step of such a layout needs no per-device branch: with these as the plan's widths
+  it runs without `lax.switch` and without rematerializing the forward pass (about a third less
+  block compute than the multi-width step of the same layout).
+  """
+  out = {}
+  for kind, u in layout.kinds().items():
+    executed = set(u.executed_widths())
+    if len(executed) != 1:
+      return None
+    out[kind] = (executed.pop(),)
+  return out
+
+
+def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, slowdown=None,
+              unit_ms: dict | None = None, resize=None, offload=None,
+              widths: dict | None = None) -> Plan:
+  """The device-placed plan for `layout` (every data leaf sharded over `tensor`).
+
+  `resize` is a host-side `resize.Resize` (numpy leaves [N, L, ...]) or None.
+  `offload` is None (no offload path) or {kind: {straggler: {helper: units}}}; a kind left out
+  (or {}) offloads nothing but still runs the offload path, so that every amount, zero included,
+  uses the same compiled step (`offload.static_shape`).
+  `widths` ({kind: ascending compute widths}, default the layout's) narrows the compiled branches,
+  e.g. to `uniform_widths(layout)`; the widest must cover every device's active count.
+
+  Raises:
+    ValueError: `offload` with an unknown kind, or together with `resize` (not supported);
+      `widths` that do not cover an active count or exceed the capacity.
+    LayoutError: `offload.<kind>` with a bad straggler, helper or share (`offload.make_plan`).
+  """
+  if offload is not None and resize is not None:
+    raise ValueError("offload: cannot be combined with resize (a resized device's kept units "
+                     "are a permutation, offload sends its last active slots); pass one of them")
+  kind_widths = {k: u.widths for k, u in layout.kinds().items()}
+  for kind, w in (widths or {}).items():
+    u = layout.kinds().get(kind)
+    w = tuple(int(x) for x in w)
+    if (u is None or not w or list(w) != sorted(set(w)) or w[0] < 1 or w[-1] > u.capacity
+        or w[-1] < max(u.active)):
+      raise ValueError(f"widths.{kind}: {w} must be ascending widths of a layout kind, at most "
+                       f"its capacity and covering every active count ({layout.to_json()})")
+    kind_widths[kind] = w
+  shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
+  put = lambda x: jax.device_put(x, shard)
+  active = {k: put(np.asarray(u.active, np.int32)) for k, u in layout.kinds().items()}
+  if slowdown is not None:
+    slowdown = put(np.asarray(slowdown, np.float32))
+  if resize is not None:
+    resize = jax.tree.map(put, resize)
+  if offload is not None:
+    offload = _offload_plans(layout, mesh, offload)
+  return Plan(active, slowdown, tuple(kind_widths.items()),
+              tuple(sorted((unit_ms or {}).items())), resize, offload)
+
+
+def branch_plans(plan: Plan, mesh: jax.sharding.Mesh) -> list[Plan]:
+  """Plans under which every device takes each branch of `plan`'s compiled step once.
+
+  XLA:CPU pays a one-time cost (about 0.2 s here) the first time a branch of a compiled step
+  runs; a warm-up that runs these plans pays it instead of the first timed step after a change.
+  Their results are meaningless (actives need not sum to the units): run them on a throwaway
+  state. Covers the exact branches at every width and, for a units-mode resize, the resized ones.
+  """
+  shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
+  put = lambda x: jax.device_put(x, shard)
+  n = len(next(iter(plan.active.values())))
+  widths = dict(plan.widths)
+  full = lambda w: put(np.full(n, w, np.int32))
+  out = []
+  for i in range(max(len(w) for w in widths.values())):
+    at = {k: w[min(i, len(w) - 1)] for k, w in widths.items()}
+    active = {k: full(at[k]) for k in widths}
+    if plan.resize is None:
+      out.append(dataclasses.replace(plan, active=active))
+      continue
+    r = plan.resize
+    kept = {k: put(np.full(r.kept[k].shape, at[k], np.int32)) for k in widths}
+    out.append(dataclasses.replace(plan, active=active, resize=dataclasses.replace(r, kept=kept)))
+    if r.mode == "units" and any(at[k] < widths[k][-1] for k in widths):
+      cap = {k: full(w[-1]) for k, w in widths.items()}     # kept < active: resized branch
+      out.append(dataclasses.replace(plan, active=cap, resize=dataclasses.replace(r, kept=kept)))
+  return out
+
+
+def _offload_plans(layout: layout_lib.Layout, mesh, offload: dict) -> dict:
+  """{kind: placed OffloadPlan} with amount-independent statics, for every kind of `layout`."""
+  kinds = layout.kinds()
+  if not isinstance(offload, dict) or set(offload) - set(kinds):
+    raise ValueError(f"offload: expected {{kind: {{straggler: {{helper: units}}}}}} with kinds "
+                     f"in {sorted(kinds)}, got {offload!r}")
+  out = {}
+  for kind, u in kinds.items():
+    rounds, chunk = offload_lib.static_shape(u)
+    out[kind] = offload_lib.make_plan(u, offload.get(kind, {}), mesh, chunk=chunk,
+                                      rounds=rounds)
+  return out
+
+
+def plan_specs(plan: Plan) -> Plan:
+  """shard_map in_specs for a plan: every data leaf is split over `tensor`."""
+  return jax.tree.map(lambda _: P(mesh_lib.TENSOR), plan)

@@ -1,0 +1,1 @@
+"""Processes: joining a `jax.distributed` job, local multi-process launches, CPU contention."""

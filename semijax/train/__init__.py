@@ -1,0 +1,1 @@
+"""The training harness: configs, data, the optimizer, the loop, checkpoints and metrics."""

@@ -1,0 +1,420 @@
+"""Deterministic training data that needs no download.
+
+Two kinds of data, both plain NumPy on the host:
+  * text for a byte-level GPT: `pydoc_corpus()` (the help text that ships with every Python) or
+    any file (`read_text_file`), batched by `TextDataset`;
+  * images for a ViT classifier: scikit-learn's bundled 8x8 digits (`digits()`) or a pair of
+    `.npy` files (`load_npy_images`), batched by `ImageDataset`.
+
+Determinism: a global training batch is a pure function of (seed, step), so a restarted or
+re-sharded run sees exactly the same data. `batch_size` is always the GLOBAL batch; with
+`process_count` processes, process p gets rows [p*local, (p+1)*local) of every global batch
+(local = batch_size / process_count), so the processes' rows concatenated are the global batch.
+Evaluation batches are fixed: the same on every call and for every seed.
+
+`build(config)` makes the dataset a config asks for. Every check raises `ConfigError` with a
+message that starts with the config field it is about, e.g. "config.data.path: no such file: ...".
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from semijax.errors import ConfigError
+
+TEXT_DATA = ("pydoc", "text_file")
+IMAGE_DATA = ("digits", "npy")
+MODELS = {"gpt": TEXT_DATA, "vit": IMAGE_DATA}
+
+# --- sources --------------------------------------------------------------------------------
+
+
+def pydoc_corpus() -> bytes:
+  """The pydoc help topics of this Python (`pydoc_data.topics.topics`), UTF-8, sorted by name.
+
+  Returns:
+    b"\\n\\n".join of every topic's text, in sorted topic-name order (several hundred kB).
+  """
+  try:
+    from pydoc_data import topics as pydoc_topics  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ConfigError(
+        "config.data.name: 'pydoc' needs the standard-library module pydoc_data, which this "
+        "Python lacks; use config.data.name = 'text_file'") from e
+  topics = pydoc_topics.topics
+  return b"\n\n".join(topics[k].encode("utf-8") for k in sorted(topics))
+
+
+def read_text_file(path: str) -> bytes:
+  """The bytes of the file at `path`; refuses a missing, unreadable or empty file."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except FileNotFoundError as e:
+    raise ConfigError(f"config.data.path: no such file: {path}") from e
+  except OSError as e:
+    raise ConfigError(f"config.data.path: cannot read {path}: {e.strerror or e}") from e
+  if not data:
+    raise ConfigError(f"config.data.path: {path} is empty")
+  return data
+
+
+def digits() -> tuple[np.ndarray, np.ndarray]:
+  """scikit-learn's bundled 8x8 handwritten digits (no download).
+
+  Returns:
+    images: float32 [1797, 8, 8, 1] in [0, 1] (pixel counts 0..16 divided by 16).
+    labels: int32 [1797], the digit 0..9.
+  """
+  try:
+    from sklearn import datasets  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ConfigError("config.data.name: 'digits' needs scikit-learn; "
+                      "pip install 'semijax[digits]'") from e
+  d = datasets.load_digits()
+  images = (np.asarray(d.images, np.float32) / 16.0)[..., None]
+  return images, np.asarray(d.target, np.int32)
+
+
+def _load_npy(path: str, field: str) -> np.ndarray:
+  """np.load without pickles; any failure becomes a ConfigError naming `field`."""
+  try:
+    return np.load(path, allow_pickle=False)
+  except FileNotFoundError as e:
+    raise ConfigError(f"{field}: no such file: {path}") from e
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{field}: cannot read {path} as a .npy array: {e}") from e
+
+
+def load_npy_images(images_path: str, labels_path: str) -> tuple[np.ndarray, np.ndarray]:
+  """Images and labels from two `.npy` files.
+
+  Args:
+    images_path: a real-valued array [N, H, W] or [N, H, W, C] (config.data.images).
+    labels_path: an integer array [N] (config.data.labels).
+
+  Returns:
+    images: float32 [N, H, W, C] (C = 1 added for 3-D input), values unchanged.
+    labels: int32 [N].
+  """
+  images = _load_npy(images_path, "config.data.images")
+  labels = _load_npy(labels_path, "config.data.labels")
+  if images.ndim not in (3, 4):
+    raise ConfigError(f"config.data.images: {images_path} has shape {images.shape}; "
+                      "need [N, H, W] or [N, H, W, C]")
+  if not (np.issubdtype(images.dtype, np.integer) or np.issubdtype(images.dtype, np.floating)
+          or images.dtype == np.bool_):
+    raise ConfigError(f"config.data.images: {images_path} has dtype {images.dtype}; "
+                      "need a real (integer or floating) dtype")
+  if images.shape[0] < 1:
+    raise ConfigError(f"config.data.images: {images_path} holds no images")
+  if labels.ndim != 1:
+    raise ConfigError(f"config.data.labels: {labels_path} has shape {labels.shape}; need [N]")
+  if not np.issubdtype(labels.dtype, np.integer):
+    raise ConfigError(f"config.data.labels: {labels_path} has dtype {labels.dtype}; "
+                      "need an integer dtype")
+  if len(labels) != len(images):
+    raise ConfigError(f"config.data.labels: {len(labels)} labels in {labels_path}, but "
+                      f"{len(images)} images in config.data.images")
+  info = np.iinfo(np.int32)
+  if labels.min() < info.min or labels.max() > info.max:
+    raise ConfigError(f"config.data.labels: values in {labels_path} do not fit in int32")
+  if images.ndim == 3:
+    images = images[..., None]
+  return images.astype(np.float32), labels.astype(np.int32)
+
+
+# --- shared checks --------------------------------------------------------------------------
+
+
+def _check_int(value, field: str, minimum: int) -> int:
+  """`value` as an int >= `minimum`, else a ConfigError naming `field`."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    raise ConfigError(f"{field}: need an integer >= {minimum}, got {value!r}")
+  return int(value)
+
+
+def _check_fraction(value, field: str = "config.data.val_fraction") -> float:
+  """`value` as a float strictly inside (0, 1), else a ConfigError naming `field`."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
+    raise ConfigError(f"{field}: need a number strictly between 0 and 1, got {value!r}")
+  return float(value)
+
+
+def _local_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+  """The rows of every global batch that process `process_index` gets."""
+  batch_size = _check_int(batch_size, "config.batch_size", 1)
+  process_count = _check_int(process_count, "process_count", 1)
+  if not isinstance(process_index, numbers.Integral) or not 0 <= process_index < process_count:
+    raise ConfigError(f"process_index: {process_index!r} is outside [0, {process_count})")
+  if batch_size % process_count:
+    raise ConfigError(f"config.batch_size: the global batch {batch_size} is not divisible by "
+                      f"the {process_count} processes")
+  local = batch_size // process_count
+  return slice(process_index * local, (process_index + 1) * local)
+
+
+def _check_step(step) -> int:
+  if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+    raise ValueError(f"step: need an integer >= 0, got {step!r}")
+  return int(step)
+
+
+# --- text -----------------------------------------------------------------------------------
+
+
+class TextDataset:
+  """Byte-level language-model batches.
+
+  The first (1 - val_fraction) of the bytes train, the rest validate. A training batch holds
+  `batch_size` windows of seq_len + 1 bytes at random starts in the train part; evaluation uses
+  `eval_batches` fixed batches of non-overlapping consecutive windows from the start of the val
+  part. Batches are {"inputs": int32 [local, seq_len], "targets": int32 [local, seq_len]} with
+  targets = inputs shifted left by one byte.
+  """
+
+  def __init__(self, data: bytes, *, seq_len: int, batch_size: int, seed: int,
+               val_fraction: float = 0.1, eval_batches: int = 4,
+               process_index: int = 0, process_count: int = 1):
+    self.seq_len = _check_int(seq_len, "config.model.seq_len", 1)
+    self.batch_size = _check_int(batch_size, "config.batch_size", 1)
+    self.seed = _check_int(seed, "config.seed", 0)
+    self.num_eval_batches = _check_int(eval_batches, "config.data.eval_batches", 1)
+    val_fraction = _check_fraction(val_fraction)
+    self._rows = _local_rows(batch_size, process_index, process_count)
+    tokens = np.frombuffer(data, np.uint8)
+    num_val = round(len(tokens) * val_fraction)
+    self.train = tokens[:len(tokens) - num_val]   # uint8 [num_train]
+    self.val = tokens[len(tokens) - num_val:]     # uint8 [num_val]
+    self._check_sizes()
+
+  def _check_sizes(self):
+    need = self.seq_len + 2
+    if len(self.train) < need:
+      raise ConfigError(
+          f"config.data: the training part has {len(self.train)} bytes, but seq_len + 2 = "
+          f"{need} are needed ({need - len(self.train)} short); use more text or a shorter "
+          "config.model.seq_len")
+    need = self.num_eval_batches * self.batch_size * (self.seq_len + 1)
+    if len(self.val) < need:
+      raise ConfigError(
+          f"config.data: the validation part has {len(self.val)} bytes, but eval_batches * "
+          f"batch_size * (seq_len + 1) = {self.num_eval_batches} * {self.batch_size} * "
+          f"{self.seq_len + 1} = {need} are needed ({need - len(self.val)} short); use more "
+          "text, a larger config.data.val_fraction or fewer config.data.eval_batches")
+
+  @property
+  def tokens_per_example(self) -> int:
+    return self.seq_len
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """Global batches that together hold about as many tokens as the training part."""
+    return max(1, math.ceil(len(self.train) / (self.batch_size * self.seq_len)))
+
+  @property
+  def local_batch_size(self) -> int:
+    return self._rows.stop - self._rows.start
+
+  def _split(self, windows: np.ndarray) -> dict[str, np.ndarray]:
+    """uint8 [B, seq_len + 1] windows -> {"inputs", "targets"}: int32 [B, seq_len]."""
+    windows = windows.astype(np.int32)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+  def global_starts(self, step: int) -> np.ndarray:
+    """int64 [batch_size]: where each window of global batch `step` starts in the train part."""
+    rng = np.random.default_rng([self.seed, _check_step(step)])
+    return rng.integers(0, len(self.train) - self.seq_len, size=self.batch_size)
+
+  def train_batch(self, step: int) -> dict[str, np.ndarray]:
+    """This process's rows of global training batch `step` (a pure function of seed, step)."""
+    starts = self.global_starts(step)[self._rows]
+    return self._split(self.train[starts[:, None] + np.arange(self.seq_len + 1)])
+
+  def eval_batches(self) -> list[dict[str, np.ndarray]]:
+    """The fixed evaluation batches: this process's rows of each, in order."""
+    width = self.seq_len + 1
+    n = self.num_eval_batches * self.batch_size * width
+    windows = self.val[:n].reshape(self.num_eval_batches, self.batch_size, width)
+    return [self._split(w[self._rows]) for w in windows]
+
+
+# --- images ---------------------------------------------------------------------------------
+
+
+class ImageDataset:
+  """Image classification batches.
+
+  The split ignores the seed: examples are permuted with np.random.default_rng(0); the first
+  round(N * val_fraction) validate, the rest train. Training is an endless stream whose epoch e
+  visits the train examples in the order np.random.default_rng([seed, e]).permutation(n_train);
+  global batch `step` is stream positions [step * B, (step + 1) * B). Training batches are
+  {"images": float32 [local, H, W, C], "labels": int32 [local]}; eval batches add
+  "weights": float32 [local] (0 on padding).
+  """
+
+  def __init__(self, images: np.ndarray, labels: np.ndarray, *, batch_size: int, seed: int,
+               val_fraction: float = 0.2, process_index: int = 0, process_count: int = 1):
+    self.batch_size = _check_int(batch_size, "config.batch_size", 1)
+    self.seed = _check_int(seed, "config.seed", 0)
+    val_fraction = _check_fraction(val_fraction)
+    self._rows = _local_rows(batch_size, process_index, process_count)
+    self.images = np.asarray(images, np.float32)
+    self.labels = np.asarray(labels, np.int32)
+    if self.images.ndim != 4:
+      raise ConfigError(f"config.data: images have shape {self.images.shape}; need [N, H, W, C]")
+    if self.labels.shape != self.images.shape[:1]:
+      raise ConfigError(f"config.data: labels have shape {self.labels.shape}; need "
+                        f"[{len(self.images)}], one per image")
+    order = np.random.default_rng(0).permutation(len(self.images))
+    num_val = round(len(self.images) * val_fraction)
+    self.val_index = order[:num_val]     # int64 [n_val], indices into images
+    self.train_index = order[num_val:]   # int64 [n_train]
+    if num_val < 1:
+      raise ConfigError(f"config.data.val_fraction: {val_fraction} of {len(self.images)} "
+                        "examples leaves no validation example")
+    if len(self.train_index) < self.batch_size:
+      raise ConfigError(
+          f"config.batch_size: {self.batch_size} is more than the {len(self.train_index)} "
+          f"training examples in config.data ({self.batch_size - len(self.train_index)} short)")
+    self._epoch_cache: tuple[int, np.ndarray] | None = None
+
+  @property
+  def tokens_per_example(self) -> int:
+    return 1
+
+  @property
+  def local_batch_size(self) -> int:
+    return self._rows.stop - self._rows.start
+
+  @property
+  def num_train(self) -> int:
+    return len(self.train_index)
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """Global batches per pass over the training images."""
+    return max(1, math.ceil(self.num_train / self.batch_size))
+
+  @property
+  def num_val(self) -> int:
+    return len(self.val_index)
+
+  def epoch_order(self, epoch: int) -> np.ndarray:
+    """int64 [n_train]: the order (positions in the train part) that epoch `epoch` visits."""
+    if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+      perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_train)
+      self._epoch_cache = (epoch, perm)
+    return self._epoch_cache[1]
+
+  def train_positions(self, step: int) -> np.ndarray:
+    """int64 [local]: the train-part positions of this process's rows of global batch `step`."""
+    pos = _check_step(step) * self.batch_size + np.arange(self._rows.start, self._rows.stop)
+    epoch, offset = np.divmod(pos, self.num_train)
+    out = np.empty_like(pos)
+    for e in np.unique(epoch):
+      at = epoch == e
+      out[at] = self.epoch_order(int(e))[offset[at]]
+    return out
+
+  def train_batch(self, step: int) -> dict[str, np.ndarray]:
+    """This process's rows of global training batch `step` (a pure function of seed, step)."""
+    index = self.train_index[self.train_positions(step)]
+    return {"images": self.images[index], "labels": self.labels[index]}
+
+  def eval_batches(self) -> list[dict[str, np.ndarray]]:
+    """The whole val set in order, in global batches of batch_size; this process's rows of each.
+
+    The last global batch is padded with zero images and label 0; every batch carries
+    "weights": float32 [local], 1 on real examples and 0 on padding.
+    """
+    b = self.batch_size
+    num_batches = math.ceil(self.num_val / b)
+    pad = num_batches * b - self.num_val
+    shape = self.images.shape[1:]
+    images = np.concatenate([self.images[self.val_index], np.zeros((pad, *shape), np.float32)])
+    labels = np.concatenate([self.labels[self.val_index], np.zeros(pad, np.int32)])
+    weights = np.concatenate([np.ones(self.num_val, np.float32), np.zeros(pad, np.float32)])
+    out = []
+    for i in range(num_batches):
+      rows = slice(i * b + self._rows.start, i * b + self._rows.stop)
+      out.append({"images": images[rows], "labels": labels[rows], "weights": weights[rows]})
+    return out
+
+
+# --- from a config --------------------------------------------------------------------------
+
+
+def _check_name(model: str, name: str) -> None:
+  valid = MODELS[model]
+  if name not in valid:
+    raise ConfigError(f"config.data.name: {name!r} is not one of {valid} "
+                      f"(the datasets for model {model!r})")
+
+
+def _build_text(config, process_index: int, process_count: int) -> TextDataset:
+  name = config.data.name
+  _check_name("gpt", name)
+  data = pydoc_corpus() if name == "pydoc" else read_text_file(config.data.path)
+  return TextDataset(data, seq_len=config.model.seq_len, batch_size=config.batch_size,
+                     seed=config.seed, val_fraction=config.data.val_fraction,
+                     eval_batches=config.data.eval_batches,
+                     process_index=process_index, process_count=process_count)
+
+
+def _check_images_match_model(images: np.ndarray, labels: np.ndarray, model) -> None:
+  """Refuses images [N, H, W, C] / labels [N] that do not fit config.model."""
+  size = _check_int(model.image_size, "config.model.image_size", 1)
+  channels = _check_int(model.channels, "config.model.channels", 1)
+  num_classes = _check_int(model.num_classes, "config.model.num_classes", 1)
+  _, h, w, c = images.shape
+  if h != size or w != size:
+    raise ConfigError(f"config.model.image_size: the images are {h}x{w}, but "
+                      f"config.model.image_size is {size}")
+  if c != channels:
+    raise ConfigError(f"config.model.channels: the images have {c} channels, but "
+                      f"config.model.channels is {channels}")
+  lo, hi = int(labels.min()), int(labels.max())
+  if lo < 0 or hi >= num_classes:
+    raise ConfigError(f"config.model.num_classes: labels span [{lo}, {hi}], outside "
+                      f"[0, {num_classes})")
+
+
+def _build_images(config, process_index: int, process_count: int) -> ImageDataset:
+  name = config.data.name
+  _check_name("vit", name)
+  if name == "digits":
+    images, labels = digits()
+  else:
+    images, labels = load_npy_images(config.data.images, config.data.labels)
+  _check_images_match_model(images, labels, config.model)
+  return ImageDataset(images, labels, batch_size=config.batch_size, seed=config.seed,
+                      val_fraction=config.data.val_fraction,
+                      process_index=process_index, process_count=process_count)
+
+
+def build(config, process_index: int = 0, process_count: int = 1):
+  """The dataset `config` asks for: a TextDataset for model "gpt", an ImageDataset for "vit".
+
+  Args:
+    config: an ml_collections.ConfigDict with model.name, data.name, data.val_fraction,
+      batch_size and seed, plus model.seq_len, data.eval_batches and data.path ("text_file")
+      for gpt, or model.image_size, model.channels, model.num_classes and data.images /
+      data.labels ("npy") for vit.
+    process_index: this process, in [0, process_count).
+    process_count: the processes sharing each global batch (must divide config.batch_size).
+
+  Returns:
+    The dataset, with this process's rows of every batch.
+  """
+  model = config.model.name
+  if model not in MODELS:
+    raise ConfigError(f"config.model.name: {model!r} is not one of {tuple(MODELS)}")
+  _check_fraction(config.data.val_fraction)
+  _local_rows(config.batch_size, process_index, process_count)
+  if model == "gpt":
+    return _build_text(config, process_index, process_count)
+  return _build_images(config, process_index, process_count)

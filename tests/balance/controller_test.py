@@ -1,0 +1,238 @@
+"""The cost model on hand-computed cases, the controller on scripted speed traces, the tracker.
+
+The model used throughout: 8 MLP units on 2 devices, compiled widths (2, 4, 6, 8), heads with no
+FLOPs (so only the MLP counts), one measured step of 1.0 s at (4, 4) units and speeds (1, 0.5):
+  loads (0.5, 0.5); critical load max(0.5/1, 0.5/0.5) = 1.0;
+  fixed = 0.1 * 1.0 = 0.1 s, per_load = (1.0 - 0.1) / 1.0 = 0.9 s.
+"""
+
+import numpy as np
+import pytest
+
+from semijax.balance import controller as ctl
+from semijax.balance import speed
+from semijax.core import layout as layout_lib
+
+OWNED = {"mlp": (4, 4), "heads": (1, 1)}
+SLOW = (1.0, 0.5)
+EVEN = (1.0, 1.0)
+
+
+def cost_model(move_s=0.5):
+  cost = ctl.CostModel({"mlp": 1.0, "heads": 0.0}, {"mlp": (2, 4, 6, 8), "heads": (1, 2)},
+                       {"mlp": 8, "heads": 2}, fixed_fraction=0.1, move_s=move_s)
+  cost.observe(ctl.Setup.of(OWNED), SLOW, 1.0)
+  return cost
+
+
+def controller(policy="semi", **kw):
+  settings = ctl.Settings(policy=policy, **kw)
+  return ctl.Controller(settings, cost_model(), ctl.Setup.of(OWNED), {"mlp": 6, "heads": 1},
+                        unit_bytes={"mlp": 1e6, "heads": 0.0})
+
+
+def test_cost_model_hand_computed():
+  cost = cost_model()
+  assert cost.fixed_s == pytest.approx(0.1) and cost.per_load_s == pytest.approx(0.9)
+  np.testing.assert_allclose(cost.loads(ctl.Setup.of(OWNED)), [0.5, 0.5])
+  # (6, 2): executed widths 6 and 2 -> loads (0.75, 0.25); critical max(0.75, 0.5) = 0.75.
+  moved = ctl.Setup.of({"mlp": (6, 2), "heads": (1, 1)})
+  assert cost.compute_s(moved, SLOW) == pytest.approx(0.1 + 0.9 * 0.75)
+  # (5, 3) executes widths (6, 4): quantization makes it no better than (6, 2) here.
+  np.testing.assert_allclose(cost.loads(ctl.Setup.of({"mlp": (5, 3), "heads": (1, 1)})),
+                             [0.75, 0.5])
+  # Resizing device 1 to keep 0.5: ceil(0.5 * 4) = 2 units, width 2 -> load 0.25.
+  resized = ctl.Setup(OWNED, OWNED, (1.0, 0.5))
+  assert cost.compute_s(resized, SLOW) == pytest.approx(0.1 + 0.9 * 0.5)
+  # Offload: device 0 computes its 4 plus 2 helped units, device 1 keeps 2 (width 2).
+  off = ctl.Setup(OWNED, {"mlp": (6, 2), "heads": (1, 1)})
+  np.testing.assert_allclose(cost.loads(off), [0.75, 0.25])
+  assert cost.offload_bytes(off, {"mlp": 1e6}) == 2 * 2 * 1e6
+
+
+def test_cost_model_charges_the_branched_step():
+  # With a single-width step at width 4, the even exact setup runs it (factor 1); every other
+  # setup runs the branched step, which rematerializes the forward: factor 1 + 1/3.
+  cost = ctl.CostModel({"mlp": 1.0, "heads": 0.0}, {"mlp": (2, 4, 6, 8), "heads": (1, 2)},
+                       {"mlp": 8, "heads": 2}, fixed_fraction=0.1, narrow={"mlp": 4, "heads": 1})
+  cost.observe(ctl.Setup.of(OWNED), SLOW, 1.0)        # as above: fixed 0.1, per_load 0.9
+  assert cost.per_load_s == pytest.approx(0.9)
+  assert not cost.branched(ctl.Setup.of(OWNED))
+  moved = ctl.Setup.of({"mlp": (6, 2), "heads": (1, 1)})
+  assert cost.branched(moved) and cost.branched(ctl.Setup(OWNED, OWNED, (1.0, 0.5)))
+  assert cost.compute_s(moved, SLOW) == pytest.approx(0.1 + 0.9 * 4 / 3 * 0.75)
+  assert cost.compute_s(ctl.Setup(OWNED, OWNED, (1.0, 0.5)), SLOW) == pytest.approx(
+      0.1 + 0.9 * 4 / 3 * 0.5)
+  # (3, 5) executes widths (4, 6): not one width, so branched.
+  assert cost.branched(ctl.Setup.of({"mlp": (3, 5), "heads": (1, 1)}))
+
+
+def test_cost_model_fits_fixed_and_per_load_once_load_varies():
+  cost = ctl.CostModel({"mlp": 1.0}, {"mlp": (2, 4, 6, 8)}, {"mlp": 8}, fixed_fraction=0.5)
+  truth = lambda setup, s: 0.2 + 0.6 * cost.critical(setup, s)   # a = 0.2, b = 0.6
+  for counts in [(4, 4), (6, 2), (4, 4), (6, 2), (2, 6)]:
+    setup = ctl.Setup.of({"mlp": counts})
+    cost.observe(setup, SLOW, truth(setup, SLOW))
+  assert cost.fixed_s == pytest.approx(0.2, rel=1e-6)
+  assert cost.per_load_s == pytest.approx(0.6, rel=1e-6)
+
+
+def test_target_counts_follow_speed_on_bucket_widths_and_capacity():
+  c = controller()
+  assert c.target_counts(SLOW)["mlp"] == (6, 2)          # widths 6 and 2: times 6 and 4
+  assert c.target_counts((1.0, 0.1))["mlp"] == (6, 2)    # capped at capacity 6
+  assert c.target_counts(EVEN)["mlp"] == (4, 4)
+  # Proportional rounding gives (5, 3), which executes widths (6, 4): time max(6, 8) = 8; the
+  # bucketed split (6, 2) finishes in max(6, 4) = 6.
+  assert layout_lib.proportional_counts(8, (1.0, 0.6)) == (5, 3)
+  assert layout_lib.bucketed_counts(8, (1.0, 0.6), (2, 4, 6, 8)) == (6, 2)
+
+
+def test_semi_keep_equalizes_within_budget():
+  c = controller()
+  assert c.resize_keep(OWNED, SLOW) == (1.0, 0.5)
+  assert c.resize_keep(OWNED, EVEN) is None
+  # Budget 0.25: keep at least 0.75 even though 0.5 would balance.
+  assert controller(resize_budget=0.25).resize_keep(OWNED, SLOW) == (1.0, 0.75)
+  # The resize policy always uses its fixed keep on slow devices.
+  assert controller("resize", resize_keep=0.25).resize_keep(OWNED, SLOW) == (1.0, 0.25)
+
+
+def test_amortization_decides_whether_a_migration_pays():
+  # exact: 1.0 s. migrate: 0.775 s + 2 trips * 0.5 s / expected steps.
+  c = controller("migrate", patience=1)
+  short = c.decide(0, SLOW, expected_s=2.0, step_s=1.0)   # 0.775 + 1/2 = 1.275 > 1.0
+  assert short.choice == "exact" and not short.moves
+  assert short.predicted_s["migrate"] == pytest.approx(0.775 + 0.5)
+  long = c.decide(1, SLOW, expected_s=100.0, step_s=1.0)  # 0.775 + 0.01 < 1.0
+  assert long.choice == "migrate" and long.moves
+  assert long.setup.owned["mlp"] == (6, 2)
+  assert long.predicted_s["migrate"] == pytest.approx(0.785)
+
+
+def test_semi_resizes_a_new_slowdown_then_migrates_then_moves_back():
+  c = controller(patience=2, min_dwell_steps=3, resize_horizon_steps=5)
+  choices, changes = [], 0
+  start = 3
+  for step in range(40):
+    slow = start <= step < 25
+    speeds = SLOW if slow else EVEN
+    elapsed = step - start if slow else step - 25
+    expected = max(elapsed, 1.0)                  # Lindy: as long as it has lasted
+    d = c.decide(step, speeds, expected_s=expected, step_s=1.0)
+    choices.append((step, d.choice, d.setup.owned["mlp"], d.setup.keep))
+    changes += d.changed
+  by_step = {s: (ch, owned, keep) for s, ch, owned, keep in choices}
+  assert all(by_step[s][0] == "exact" and by_step[s][2] is None for s in range(3))
+  # Patience 2: the slowdown is resized at its second decision, within the 5-step horizon.
+  assert by_step[3][0] == "exact" and by_step[4] == ("resize", (4, 4), (1.0, 0.5))
+  # Step 9 is beyond the horizon (expected 6 steps > 5): no more resizing. Migrating predicts
+  # 0.775 + 2 * 0.5 / 6 = 0.94 < 1.0 and, replacing a resize, moves at once (no patience, so
+  # no exact steps in between).
+  assert by_step[8][0] == "resize" and by_step[9] == ("migrate", (6, 2), None)
+  migrated = [s for s, ch, owned, keep in choices if owned == (6, 2)]
+  assert migrated[0] == 9
+  assert all(by_step[s][2] is None for s in range(migrated[0], 40))
+  # After the slowdown ends (step 25), staying at (6, 2) costs 0.775 s; moving back 0.55 s plus
+  # 0.5 s / expected steps: 7.5% better at step 28 (patience 1/2), so it moves back at step 29.
+  back = [s for s in range(25, 40) if by_step[s][1] == (4, 4)][0]
+  assert back == 29 and all(by_step[s][1] == (4, 4) for s in range(back, 40))
+  assert changes == 3      # resize, migrate, migrate back: no thrashing
+
+
+def test_a_newly_confirmed_regime_needs_no_patience():
+  # The tracker's change detection already debounced the speeds: the first decision after it
+  # confirmed a slowdown resizes (predicted (0.1 + 0.9 * 0.5) * 1.05 s vs 1.0 s) at once.
+  c = controller(patience=3, resize_horizon_steps=5)
+  assert c.decide(0, EVEN, expected_s=1.0, step_s=1.0).choice == "exact"
+  d = c.decide(1, SLOW, expected_s=1.0, step_s=1.0, new_regime=True)
+  assert d.choice == "resize" and d.changed and "new regime" in d.reason
+  assert d.setup.keep == (1.0, 0.5) and d.predicted_s["resize"] == pytest.approx(0.55 * 1.05)
+  # Without the confirmation, the same change waits for its patience.
+  c = controller(patience=3, resize_horizon_steps=5)
+  got = [c.decide(i, SLOW, expected_s=1.0, step_s=1.0).choice for i in range(3)]
+  assert got == ["exact", "exact", "resize"]
+
+
+def test_hysteresis_ignores_small_gains_and_noise():
+  c = controller("migrate", patience=1, hysteresis=0.05)
+  # Speeds (1, 0.9): exact critical 0.5/0.9 = 0.556 -> 0.6 s; (5, 3) executes (6, 4) -> worse;
+  # the target is (4, 4): no candidate, stay.
+  d = c.decide(0, (1.0, 0.9), expected_s=100, step_s=1.0)
+  assert d.choice == "exact" and not d.changed
+  # Noisy speeds that alternate every step must not move data back and forth.
+  c = controller("migrate", patience=3)
+  moves = 0
+  for step in range(30):
+    d = c.decide(step, SLOW if step % 2 else EVEN, expected_s=100, step_s=1.0)
+    moves += d.moves
+  assert moves == 0
+
+
+def test_resize_policy_follows_the_slow_devices():
+  c = controller("resize")
+  trace = [EVEN, SLOW, SLOW, EVEN]
+  got = [c.decide(i, s, expected_s=100, step_s=1.0).setup.keep for i, s in enumerate(trace)]
+  assert got == [None, (1.0, 0.5), (1.0, 0.5), None]
+
+
+def test_offload_policy_keeps_ownership():
+  c = controller("offload", patience=1)
+  d = c.decide(0, SLOW, expected_s=100, step_s=1.0)
+  assert d.choice == "offload" and not d.moves
+  assert d.setup.owned["mlp"] == (4, 4) and d.setup.computed["mlp"] == (6, 2)
+  # weights out + gradients back: 2 units * 1 MB * 2 = 4 MB at 1 GB/s = 0.004 s per step
+  assert d.predicted_s["offload"] == pytest.approx(0.775 + 0.004)
+
+
+def test_decisions_carry_reasons_and_predictions():
+  c = controller("migrate", patience=1)
+  d = c.decide(0, SLOW, expected_s=100, step_s=1.0)
+  record = d.to_json()
+  assert record["choice"] == "migrate" and "predicted" in record["reason"]
+  assert set(record["predicted_s"]) == {"current", "exact", "migrate"}
+  assert record["owned"]["mlp"] == [6, 2]
+
+
+@pytest.mark.parametrize("field,value", [("policy", "fastest"), ("hysteresis", 1.5),
+                                         ("resize_budget", -0.1), ("patience", 0)])
+def test_bad_settings_are_refused(field, value):
+  with pytest.raises(ValueError, match=f"config.balance.{field}"):
+    ctl.Settings(**{field: value}).validate()
+
+
+# --- speed tracking ---------------------------------------------------------------------------
+
+
+def test_tracker_ignores_bursts_and_confirms_lasting_changes():
+  t = speed.SpeedTracker(2, confirm=3, threshold=0.2)
+  t.update([1.0, 1.0], 0.0)
+  for i in range(1, 3):                     # a 2-sample burst: ignored
+    assert not t.update([1.0, 2.0], float(i))
+  t.update([1.0, 1.0], 3.0)
+  np.testing.assert_allclose(t.speeds, [1.0, 1.0])
+  changed = [t.update([1.0, 2.0], float(i)) for i in range(4, 7)]
+  assert changed == [False, False, True]
+  np.testing.assert_allclose(t.speeds, [1.0, 0.5])
+  assert t.regime.start_s == 4.0            # the regime began at its first sample
+  assert t.elapsed_s(10.0) == 6.0
+
+
+def test_tracker_expected_duration_uses_history():
+  t = speed.SpeedTracker(2, confirm=1, min_expected_s=0.5)
+  t.update([1.0, 1.0], 0.0)
+  assert t.expected_remaining_s(8.0) == 8.0            # no history: as long as so far
+  for start in (20.0, 40.0, 60.0):                     # regimes of 20 s, alternating
+    t.update([1.0, 2.0] if start != 40.0 else [1.0, 1.0], start)
+  assert t.expected_remaining_s(65.0) == pytest.approx(15.0)   # 20 - 5
+  assert t.expected_remaining_s(79.0) == pytest.approx(1.0)    # 20 - 19
+  assert t.expected_remaining_s(100.0) == pytest.approx(40.0)  # outlasting: as long as so far
+  assert t.expected_remaining_s(60.2) == pytest.approx(19.8)
+
+
+def test_tracker_refuses_bad_samples():
+  t = speed.SpeedTracker(2)
+  with pytest.raises(ValueError, match="speed sample"):
+    t.update([1.0, 0.0], 0.0)
+  with pytest.raises(ValueError, match="speed sample"):
+    t.update([1.0], 0.0)

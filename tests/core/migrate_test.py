@@ -1,0 +1,300 @@
+"""Lossless migration: one compiled collective moves unit ownership; training does not notice.
+
+  * exactness: a run that migrates at step k equals (bit for bit) the run that re-laid its
+    state out through the logical form, and matches the run that never migrated to fp32 round-off;
+  * compiles: one executable serves every layout pair of a capacity bucket, a bucket switch
+    compiles once;
+  * properties (hypothesis, random layout pairs): every unit owned exactly once, padding zero,
+    A -> B -> A bit for bit;
+  * a checkpoint taken after a migration restores onto any layout and device count;
+  * impossible layout changes are refused with a LayoutError naming the field, before anything
+    moves or compiles.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import helpers as H
+from semijax.core import engine as engine_lib
+from semijax.core import layout as L
+from semijax.core import mesh as mesh_lib
+from semijax.core import migrate
+from semijax.core.sharding import Axes
+from semijax.train import checkpoint as checkpoint_lib
+
+N = 8
+
+
+def copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def bits(tree):
+  return [np.asarray(x).view(np.uint32) if np.asarray(x).dtype == np.float32 else np.asarray(x)
+          for x in jax.tree.leaves(tree)]
+
+
+def assert_bitwise(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(bits(a), bits(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def shift_units(layout, mlp=3, heads=1):
+  """B: the busiest device gives `mlp` MLP units and `heads` heads to the least busy ones."""
+  moves = {}
+  for kind, n in (("mlp", mlp), ("heads", heads)):
+    u = layout.kinds()[kind]
+    src = int(np.argmax(u.counts))
+    dsts = [d for d in np.argsort(u.counts, kind="stable") if d != src][:n]
+    moves[kind] = [(unit, int(d)) for unit, d in zip(u.owned[src][-n:], dsts)]
+  return migrate.move_units(layout, moves)
+
+
+# --- training exactness ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run():
+  """GPT on 8 tensor devices: 4 steps on A; 2 on A, migrate, 2 on B; the same via relayout."""
+  eng = H.make_engine("gpt", 1, N)
+  a = H.random_layout(3, N)
+  b = shift_units(a)
+  assert a.bucket() == b.bucket() and a != b
+  batches = [eng.shard_batch(H.make_batch("gpt", seed=100 + i)) for i in range(2)]
+  mig = migrate.Migrator.for_engine(eng)
+  moves = migrate.plan(a, b)
+
+  def steps(state, layout, first, count, losses):
+    for i in range(first, first + count):
+      state, m = eng.train_step(state, batches[i % 2], eng.plan(layout))
+      losses.append(float(m["loss"]))
+    return state
+
+  ref_losses, mig_losses, rel_losses = [], [], []
+  ref = steps(eng.init(0, a), a, 0, 4, ref_losses)
+  start = steps(eng.init(0, a), a, 0, 2, mig_losses)
+  rel_losses[:] = mig_losses
+  via_logical = eng.relayout(copy(start), a, b)
+  compiles = eng.compile_count
+  migrated = mig.migrate_state(start, moves, eng.tx, eng.axes)
+  assert_bitwise(migrated, via_logical)       # the collective = the logical round trip
+  migrated = steps(migrated, b, 2, 2, mig_losses)
+  relaid = steps(via_logical, b, 2, 2, rel_losses)
+  assert eng.compile_count == compiles        # B is in A's bucket: no new train step
+  return dict(eng=eng, a=a, b=b, ref=ref, migrated=migrated, relaid=relaid, moves=moves,
+              losses=(ref_losses, mig_losses, rel_losses))
+
+
+def test_migration_moves_only_units_that_change_owner(run):
+  moves = run["moves"]
+  assert moves.units_moved() == {"mlp": 3, "heads": 1}
+  for k, m in moves.kinds.items():
+    assert np.trace(m.pairs) == 0 and m.pairs.sum() == moves.units_moved()[k]
+    a, b = run["a"].kinds()[k], run["b"].kinds()[k]
+    owner = lambda u: {x: d for d, o in enumerate(u.owned) for x in o}
+    changed = sum(owner(a)[x] != owner(b)[x] for x in range(a.num_units))
+    assert m.moved == changed
+
+
+def test_training_with_a_migration_matches_training_without(run):
+  eng, ref_losses, mig_losses, rel_losses = run["eng"], *run["losses"]
+  assert mig_losses == rel_losses                         # bit for bit
+  assert_bitwise(run["migrated"], run["relaid"])
+  np.testing.assert_allclose(mig_losses, ref_losses, rtol=1e-6, atol=0)
+  moved = eng.to_logical(run["migrated"], run["b"]).params
+  ref = eng.to_logical(run["ref"], run["a"]).params
+  # The move itself is exact (above); what differs from the run that never migrated is only the
+  # summation order of the tensor all-reduce (other owners, other partial sums), as between any
+  # two layouts (train_test.test_uneven_layout_without_slowdown_gives_the_even_losses).
+  # The key bias has zero true gradient; Adam turns its round-off into full-size steps, so it
+  # differs at the 1e-1 level between any two layouts (model_test leaves it out for the same
+  # reason). It is reported, and left out of the bounds.
+  drop_bk = lambda t: [x for p, x in jax.tree_util.tree_leaves_with_path(t)
+                       if "['bk']" not in jax.tree_util.keystr(p)]
+  flat = lambda t: np.concatenate([np.ravel(x) for x in drop_bk(t)])
+  total = np.linalg.norm(flat(moved) - flat(ref)) / np.linalg.norm(flat(ref))
+  per_leaf = {jax.tree_util.keystr(p): float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
+              for (p, x), y in zip(jax.tree_util.tree_leaves_with_path(moved),
+                                   jax.tree.leaves(ref))}
+  loss_rel = np.max(np.abs(np.subtract(mig_losses, ref_losses)) / np.asarray(ref_losses))
+  rest = {k: v for k, v in per_leaf.items() if "['bk']" not in k}
+  print(f"\nexactness: loss rel diff {loss_rel:.2e}; params global rel {total:.2e}; worst leaf "
+        f"{max(rest, key=rest.get)} {max(rest.values()):.2e}; bk "
+        f"{max(v for k, v in per_leaf.items() if 'bk' in k):.2e}")
+  assert total <= 1e-6 and max(rest.values()) <= 1e-5
+
+
+# --- compiles -----------------------------------------------------------------------------------
+
+
+def small_tree(layout, seed=0, hd=2, d=3):
+  """A padded tree with MLP and head unit axes, replicated leaves and a scalar (int) count."""
+  rng = np.random.default_rng(seed)
+  m, h = layout.mlp, layout.heads
+  logical = {"w1": rng.normal(size=(d, m.num_units)), "b1": rng.normal(size=(m.num_units,)),
+             "wo": rng.normal(size=(h.num_units * hd, d)), "ln": rng.normal(size=(d,)),
+             "count": np.int32(7)}
+  tree = {"w1": m.pack(logical["w1"].astype(np.float32), 1),
+          "b1": m.pack(logical["b1"].astype(np.float32), 0),
+          "wo": h.pack(logical["wo"].astype(np.float32), 0, hd),
+          "ln": jnp.asarray(logical["ln"], jnp.float32), "count": jnp.asarray(logical["count"])}
+  return tree
+
+
+SMALL_AXES = {"w1": Axes(("embed", "mlp")), "b1": Axes(("mlp",)), "wo": Axes(("heads", "embed")),
+              "ln": Axes(("embed",)), "count": Axes(())}
+SIZES = {"mlp": 1, "heads": 2}
+
+
+def place(mesh, tree):
+  specs = jax.tree.map(lambda a: a.spec(), SMALL_AXES)
+  return jax.tree.map(lambda x, s: jax.device_put(x, jax.NamedSharding(mesh, s)), tree, specs)
+
+
+def random_layout(seed, units=(24, 8), caps=(5, 2)):
+  """Random ownership in slot order; counts anywhere in [0, capacity] (a device may own none)."""
+  rng = np.random.default_rng(seed)
+  kinds = {}
+  for kind, u, c in zip(("mlp", "heads"), units, caps):
+    owned = [[] for _ in range(N)]
+    for unit in rng.permutation(u):
+      room = [d for d in range(N) if len(owned[d]) < c]
+      owned[int(rng.choice(room))].append(int(unit))
+    counts = tuple(len(o) for o in owned)
+    kinds[kind] = L.UnitLayout(kind, u, tuple(map(tuple, owned)), c, counts,
+                               L.default_widths(c, 2))
+  return L.Layout(**kinds)
+
+
+@pytest.fixture(scope="module")
+def small():
+  mesh = mesh_lib.make_mesh(1, N)
+  return dict(mesh=mesh, mig=migrate.Migrator(mesh, SIZES))
+
+
+def test_one_executable_serves_every_pair_in_a_bucket(small):
+  mig, mesh = small["mig"], small["mesh"]
+  layouts = [random_layout(s) for s in range(5)]
+  tree = place(mesh, small_tree(layouts[0]))
+  mig.compile(tree, SMALL_AXES, migrate.plan(layouts[0], layouts[1]))   # ahead of time
+  before = mig.compile_count
+  with H.count_backend_compiles() as events:
+    for a, b in zip(layouts, layouts[1:] + layouts[:1]):
+      tree = mig(tree, SMALL_AXES, migrate.plan(a, b))
+    jax.block_until_ready(tree)
+  assert events == [] and mig.compile_count == before
+  assert_bitwise(tree, place(mesh, small_tree(layouts[0])))            # full cycle: A again
+
+
+def test_bucket_switch_compiles_once_and_moves_only_the_delta(small):
+  mig, mesh = small["mig"], small["mesh"]
+  a = random_layout(11)
+  d = int(np.argmin(a.mlp.counts))
+  others = [u for e, o in enumerate(a.mlp.owned) if e != d for u in o]
+  # Device d ends with 7 units, more than capacity 5: the next bucket (capacity 8).
+  b = migrate.move_units(a, {"mlp": [(u, d) for u in others[:7 - a.mlp.counts[d]]]},
+                         capacities={"mlp": (5, 8, 16)})
+  assert b.mlp.capacity == 8 and b.mlp.counts[d] == 7 and b.heads == a.heads
+  moves = migrate.plan(a, b, max_capacity={"mlp": 16, "heads": 2})
+  before = mig.compile_count
+  tree = mig(place(mesh, small_tree(a)), SMALL_AXES, moves)
+  tree = mig(tree, SMALL_AXES, migrate.plan(b, b))                      # same (8, 8) program
+  assert mig.compile_count == before + 2                               # (5 -> 8) and (8 -> 8)
+  assert_bitwise(tree, place(mesh, small_tree(b)))
+  back = mig(tree, SMALL_AXES, migrate.plan(b, a))
+  assert_bitwise(back, place(mesh, small_tree(a)))
+
+
+# --- properties over random layout pairs ----------------------------------------------------
+
+
+def unit_codes(layout, hd=2, d=3):
+  """A tree whose every unit entry holds (unit id + 1): slots name their units."""
+  m, h = layout.mlp, layout.heads
+  su_m = (m.slot_units() + 1).astype(np.float32)
+  su_h = np.repeat(h.slot_units() + 1, hd).astype(np.float32)
+  return {"w1": np.tile(su_m, (d, 1)), "b1": su_m, "wo": np.tile(su_h[:, None], (1, d)),
+          "ln": np.zeros(d, np.float32), "count": np.int32(0)}
+
+
+@settings(max_examples=15, deadline=None, database=None)
+@given(seed_a=st.integers(0, 2**31 - 1), seed_b=st.integers(0, 2**31 - 1),
+       chunk=st.sampled_from([None, "tight"]))
+def test_property_ownership_padding_and_round_trip(small, seed_a, seed_b, chunk):
+  mig, mesh = small["mig"], small["mesh"]
+  a, b = random_layout(seed_a), random_layout(seed_b)
+  moves = migrate.plan(a, b, chunk=chunk)
+  # Ownership: after the move, slot s holds exactly the unit B assigns to it, once.
+  codes = mig(place(mesh, unit_codes(a)), SMALL_AXES, moves)
+  expected = unit_codes(b)
+  for name in ("w1", "b1", "wo"):
+    np.testing.assert_array_equal(np.asarray(codes[name]), expected[name])
+  got = np.asarray(codes["b1"])
+  assert sorted(got[got > 0].astype(int) - 1) == list(range(a.mlp.num_units))   # each once
+  assert np.all(got[~b.mlp.owned_mask()] == 0)                                  # padding zero
+  # A -> B -> A returns the original padded tree bit for bit.
+  tree = place(mesh, small_tree(a, seed_a % 1000))
+  there = mig(tree, SMALL_AXES, moves)
+  assert_bitwise(there, place(mesh, small_tree(b, seed_a % 1000)))
+  assert_bitwise(mig(there, SMALL_AXES, migrate.plan(b, a, chunk=chunk)), tree)
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+
+def test_checkpoint_after_migration_restores_onto_any_layout(run, tmp_path):
+  eng, b = run["eng"], run["b"]
+  logical = eng.to_logical(run["migrated"], b)
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path))
+  ckpt.save(4, logical, {"layout": b.to_json()})
+  restored, meta = ckpt.restore(eng.abstract_logical())
+  ckpt.close()
+  assert L.Layout.from_json(meta["layout"]) == b
+  assert_bitwise(restored, logical)
+  # Onto another random layout of the same 8 devices, and onto 4 tensor devices x 2 data.
+  other = H.random_layout(21, N)
+  assert_bitwise(eng.to_logical(eng.to_padded(restored, other), other), logical)
+  eng4 = H.make_engine("gpt", 2, 4)
+  four = H.random_layout(22, 4)
+  assert_bitwise(eng4.to_logical(eng4.to_padded(restored, four), four), logical)
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+def test_impossible_layout_changes_are_refused_before_anything_moves(small):
+  mig, mesh = small["mig"], small["mesh"]
+  a = random_layout(1)
+  tree = place(mesh, small_tree(a))
+  before = mig.compile_count
+  with H.count_backend_compiles() as events:
+    fewer = L.Layout(mlp=L.UnitLayout.from_counts("mlp", (3,) * 7 + (2,), capacity=5),
+                     heads=a.heads)                                    # 23 units, not 24
+    with pytest.raises(L.LayoutError, match=r"^layout.mlp.num_units: the new layout has 23"):
+      migrate.plan(a, fewer)
+    with pytest.raises(L.LayoutError, match=r"^layout.heads.owned: unit 0 is owned by devices"):
+      owned = [[0, 1], [0], [2], [3], [4], [5], [6], []]          # 0 twice, 7 lost
+      L.Layout.from_json(dict(a.to_json(), heads=dict(a.to_json()["heads"], owned=owned)))
+    with pytest.raises(L.LayoutError, match=r"^layout: the new layout has 4 devices"):
+      migrate.plan(a, H.even_layout(4))
+    with pytest.raises(L.LayoutError, match=r"^layout.mlp.capacity: device \d would own 6 units"):
+      d = int(np.argmax(a.mlp.counts))
+      others = [u for e, o in enumerate(a.mlp.owned) if e != d for u in o]
+      migrate.move_units(a, {"mlp": [(u, d) for u in others[:6 - a.mlp.counts[d]]]})
+    big = random_layout(1, caps=(9, 2))
+    with pytest.raises(L.LayoutError, match=r"^layout.mlp.capacity: 9 .* above the largest "
+                                            r"bucket 8"):
+      migrate.plan(a, big, max_capacity={"mlp": 8})
+    b = random_layout(2)
+    busiest = int(migrate.plan(a, b).kinds["mlp"].pairs.max())
+    assert busiest > 1
+    with pytest.raises(L.LayoutError, match=r"^migration.chunk.mlp: device \d sends"):
+      migrate.plan(a, b, chunk={"mlp": busiest - 1})
+    with pytest.raises(L.LayoutError, match=r"^migration.tree\['b1'\]: unit axis 0 has 40"):
+      mig(tree, SMALL_AXES, migrate.plan(random_layout(3, caps=(6, 2)), b))
+  assert events == [] and mig.compile_count == before
+  assert_bitwise(tree, place(mesh, small_tree(a)))                    # input untouched

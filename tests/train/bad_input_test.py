@@ -1,0 +1,108 @@
+"""Bad input is refused before compiling, naming the field; nothing already saved is lost."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import helpers as H
+from helpers import ROOT, load, tiny_gpt
+from semijax.train import checkpoint as checkpoint_lib
+from semijax.train import config as config_lib
+from semijax.train import loop as train
+from semijax.train import metrics
+
+
+def refused(config, workdir, match):
+  """Runs train_and_evaluate expecting a ConfigError; returns the backend compiles it caused."""
+  with H.count_backend_compiles() as events:
+    with pytest.raises(config_lib.ConfigError, match=match):
+      train.train_and_evaluate(config, str(workdir))
+  return events
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.model.__setattr__("foo", 1), r"^config.model.foo: unknown config key"),
+    (lambda c: c.__setattr__("lerning_rate", 1e-3), r"^config.lerning_rate: unknown config key"),
+    (lambda c: c.layout.__setattr__("mlp", (10, 10, 10, 10)),
+     r"^config.layout.mlp: counts \(10, 10, 10, 10\) sum to 40, but the model has 64 mlp units"),
+    (lambda c: c.layout.__setattr__("heads", "4,4"),
+     r"^config.layout.heads: 2 counts \(4, 4\) for 4 tensor devices"),
+    (lambda c: c.layout.__setattr__("mlp", "lots"), r"^config.layout.mlp: 'lots' is not 'even'"),
+    (lambda c: c.model.__setattr__("num_heads", 6),
+     r"^config.model.num_heads: 6 heads do not divide the model width d_model=32"),
+    (lambda c: c.hetero.__setattr__("slowdown", (1.0, 4.0, 1.0)),
+     r"^config.hetero.slowdown: 3 factors \(1.0, 4.0, 1.0\) for mesh.tensor = 4 devices"),
+    (lambda c: c.hetero.__setattr__("slowdown", (1.0, -4.0, 1.0, 1.0)),
+     r"^config.hetero.slowdown: factors must be positive"),
+    (lambda c: c.mesh.__setattr__("tensor", 16), r"^config.mesh: data \* tensor = 1 \* 16"),
+    (lambda c: c.__setattr__("batch_size", 7),
+     r"^config.batch_size: 7 is not divisible by mesh.data \* processes = 2 \* 1"),
+    (lambda c: c.data.update(name="text_file", path="/no/such/corpus.txt"),
+     r"^config.data.path: no such file"),
+    (lambda c: c.data.__setattr__("name", "wikipedia"), r"^config.data.name: 'wikipedia'"),
+])
+def test_bad_config_is_refused_before_compiling(tmp_path, edit, match):
+  config = tiny_gpt()
+  config.mesh.data = 2 if "batch_size" in match else 1
+  with config.unlocked():
+    edit(config)
+  assert refused(config, tmp_path, match) == []
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_bad_config_leaves_an_existing_run_intact(tmp_path):
+  config = tiny_gpt(steps=3)
+  train.train_and_evaluate(config, str(tmp_path))
+  before = sorted(os.listdir(tmp_path / "checkpoints")), (tmp_path / "metrics.jsonl").read_text()
+  bad = tiny_gpt(steps=6, mlp=(61, 1, 1, 1))
+  bad.hetero.slowdown = (1.0, 2.0)
+  refused(bad, tmp_path, r"^config.hetero.slowdown")
+  other_model = tiny_gpt(steps=6)
+  other_model.model.d_ff = 128
+  with pytest.raises(config_lib.ConfigError, match=r"^config.model: the checkpoint at step 3"):
+    train.train_and_evaluate(other_model, str(tmp_path))
+  after = sorted(os.listdir(tmp_path / "checkpoints")), (tmp_path / "metrics.jsonl").read_text()
+  assert before == after
+
+
+def test_unknown_override_on_the_command_line_names_the_key(tmp_path):
+  out = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+       "--config", os.path.join(ROOT, "configs", "gpt_tiny.py:cpu"), "--workdir",
+       str(tmp_path / "w"), "--config.modle.d_model=3"],
+      capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      "config.modle.d_model: unknown config key (from --config.modle.d_model=3)")
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
+  rng = np.random.default_rng(0)
+  images = rng.random((64, 8, 8, 1)).astype(np.float32)
+  np.save(tmp_path / "x.npy", images)
+  np.save(tmp_path / "y.npy", rng.integers(0, 10, 64))
+  config = load("vit_digits")
+  config.model.update(dict(d_model=16, num_heads=8, d_ff=16, num_layers=1))
+  config.layout.num_widths = 1
+  config.data.update(name="npy", images=str(tmp_path / "x.npy"), labels=str(tmp_path / "y.npy"))
+  config.batch_size, config.steps, config.checkpoint_every, config.eval_every = 8, 2, 2, 2
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(config, workdir)
+  # The data goes bad (a corrupt file): the next step's loss is NaN.
+  images[:] = np.nan
+  np.save(tmp_path / "x.npy", images)
+  config.steps = 4
+  with pytest.raises(FloatingPointError, match=r"^train/loss is nan at step 3: training stopped. "
+                     r"The last good checkpoint \(step 2\)"):
+    train.train_and_evaluate(config, workdir)
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+  assert ckpt.all_steps() == [2]
+  engine = train.build_engine(config, config_lib.validate(config))
+  state, meta = ckpt.restore(engine.abstract_logical())
+  assert meta["data_position"] == 2
+  assert all(np.isfinite(np.asarray(x)).all() for x in H.jax.tree.leaves(state.params))
+  assert np.isnan(metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]["train/loss"])

@@ -1,0 +1,97 @@
+"""train_and_evaluate: configs, metrics, checkpoints, resume, re-layout on restore."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import helpers as H
+from helpers import ROOT, load, tiny_gpt
+from semijax.core import engine as engine_lib
+from semijax.train import config as config_lib
+from semijax.train import loop as train
+from semijax.train import metrics
+
+def losses_of(workdir):
+  return {r["step"]: r["train/loss"] for r in metrics.read_jsonl(
+      os.path.join(workdir, "metrics.jsonl"))}
+
+
+@pytest.mark.parametrize("name, unit", [("gpt_tiny", "tokens"), ("vit_digits", "images")])
+def test_config_smoke(tmp_path, name, unit):
+  config = load(name)
+  config.steps, config.eval_every, config.log_every, config.checkpoint_every = 4, 2, 1, 0
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  records = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert [r["step"] for r in records] == [1, 2, 3, 4]
+  for r in records:
+    assert np.isfinite(r["train/loss"]) and r["train/step_time_s"] > 0
+    assert r[f"train/{unit}_per_s"] > 0
+  assert "val/loss" in records[1] and "val/loss" not in records[0]
+  assert 0 <= records[-1]["val/accuracy"] <= 1 and summary["val/loss"] == records[-1]["val/loss"]
+  tb = metrics.read_tensorboard(str(tmp_path / "tensorboard"))
+  assert [s for s, _ in tb["train/loss"]] == [1, 2, 3, 4]
+  np.testing.assert_allclose([v for _, v in tb["train/loss"]],
+                             [r["train/loss"] for r in records], rtol=1e-6)
+  saved = json.loads((tmp_path / "config.json").read_text())
+  assert saved["model"] == config.model.to_dict() and saved["steps"] == 4
+  assert os.listdir(tmp_path / "checkpoints") == ["4"]
+
+
+def test_uneven_layout_without_slowdown_gives_the_even_losses(tmp_path):
+  even = train.train_and_evaluate(tiny_gpt(steps=5), str(tmp_path / "even"))
+  uneven = train.train_and_evaluate(
+      tiny_gpt(steps=5, mlp=(1, 30, 20, 13), heads="3,1,2,2"), str(tmp_path / "uneven"))
+  np.testing.assert_allclose(uneven["losses"], even["losses"], rtol=2e-6, atol=2e-6)
+  np.testing.assert_allclose(uneven["val/loss"], even["val/loss"], rtol=2e-6)
+  assert even["losses"][-1] < even["losses"][0]
+
+
+class Interrupt(Exception):
+  pass
+
+
+def interrupt_after(monkeypatch, calls):
+  """Makes Engine.train_step raise on call number `calls + 1` (a crash mid-run)."""
+  original = engine_lib.Engine.train_step
+  count = {"n": 0}
+  def step(self, *a, **kw):
+    count["n"] += 1
+    if count["n"] > calls:
+      raise Interrupt()
+    return original(self, *a, **kw)
+  monkeypatch.setattr(engine_lib.Engine, "train_step", step)
+
+
+def test_resume_after_interruption_continues_exactly(tmp_path, monkeypatch):
+  reference = train.train_and_evaluate(tiny_gpt(), str(tmp_path / "ref"))
+  workdir = str(tmp_path / "run")
+  with monkeypatch.context() as m:
+    interrupt_after(m, 4)                       # checkpoint at 3, crash during step 5
+    with pytest.raises(Interrupt):
+      train.train_and_evaluate(tiny_gpt(), workdir)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
+  resumed = train.train_and_evaluate(tiny_gpt(), workdir)
+  assert resumed["start_step"] == 3
+  steps = [r["step"] for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+  assert steps == [1, 2, 3, 4, 5, 6]          # step 4, logged before the crash, is not doubled
+  np.testing.assert_allclose(resumed["losses"], reference["losses"][3:], rtol=1e-6)
+  assert losses_of(workdir) == pytest.approx(losses_of(str(tmp_path / "ref")), rel=1e-6)
+
+
+def test_restore_onto_another_layout_and_device_count(tmp_path, monkeypatch):
+  # Layout A on 4 tensor devices, interrupted after the step-3 checkpoint; continue with layout B
+  # on 8 tensor devices. Losses match the run that never changed layout.
+  layout_a = dict(mlp=(10, 30, 4, 20), heads=(2, 3, 1, 2))
+  layout_b = dict(mlp=(8, 8, 8, 1, 12, 9, 9, 9), heads=(1, 1, 1, 1, 1, 1, 1, 1))
+  reference = train.train_and_evaluate(tiny_gpt(**layout_a), str(tmp_path / "ref"))
+  workdir = str(tmp_path / "run")
+  with monkeypatch.context() as m:
+    interrupt_after(m, 3)
+    with pytest.raises(Interrupt):
+      train.train_and_evaluate(tiny_gpt(**layout_a), workdir)
+  moved = train.train_and_evaluate(tiny_gpt(tensor=8, **layout_b), workdir)
+  assert moved["start_step"] == 3
+  np.testing.assert_allclose(moved["losses"], reference["losses"][3:], rtol=2e-6, atol=2e-6)
+  np.testing.assert_allclose(moved["val/loss"], reference["val/loss"], rtol=2e-6)
