@@ -20,8 +20,9 @@ import collections
 import datetime
 import json
 import os
+import secrets
+import stat
 import struct
-import tempfile
 import time
 from typing import Any, Iterator, Mapping
 
@@ -163,10 +164,22 @@ def _step_of(record: dict | None) -> float | None:
 
 
 def _atomic_write(path: str, text: str) -> None:
-  """Writes `text` to a temporary file next to `path`, then renames it over `path`."""
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
+  """Writes `text` to a temporary file next to `path`, then renames it over `path`.
+
+  The file gets the mode a plain `open(path, "w")` would give it: an existing file's own mode,
+  else 0o666 less the umask (tempfile.mkstemp would leave 0o600, unreadable to a team).
+  """
+  try:
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+  except FileNotFoundError:
+    mode = None
+  tmp = os.path.join(os.path.dirname(path) or ".", f".tmp-{secrets.token_hex(8)}")
+  # A new file (O_EXCL), which the kernel gives 0o666 less the umask, as open() would.
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
+      if mode is not None:
+        os.fchmod(f.fileno(), mode)
       f.write(text)
       f.flush()
       os.fsync(f.fileno())

@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import re
+import stat
 
 import ml_collections
 import numpy as np
@@ -119,6 +120,42 @@ def test_write_config_accepts_a_plain_dict(tmp_path):
     path = w.write_config({"b": (1, 2), "a": {"c": None}})
   with open(path) as f:
     assert json.load(f) == {"a": {"c": None}, "b": [1, 2]}
+
+
+@pytest.fixture(params=[0o022, 0o002], ids=["umask022", "umask002"])
+def umask(request):
+  old = os.umask(request.param)
+  yield request.param
+  os.umask(old)
+
+
+def _mode(path):
+  return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_config_and_resumed_jsonl_get_the_mode_of_any_new_file(tmp_path, umask):
+  _write_losses(tmp_path, [0, 10, 20])
+  with metrics.MetricWriter(str(tmp_path), enabled=True, resume_step=10) as w:   # rewrites jsonl
+    w.write_config({"a": 1})
+  (tmp_path / "plain.txt").write_text("x")
+  assert _mode(tmp_path / "plain.txt") == 0o666 & ~umask
+  assert _mode(tmp_path / "config.json") == 0o666 & ~umask
+  assert _mode(tmp_path / "metrics.jsonl") == 0o666 & ~umask
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
+
+
+def test_rewrites_keep_an_existing_files_mode(tmp_path):
+  _write_losses(tmp_path, [0, 10, 20])
+  with metrics.MetricWriter(str(tmp_path), enabled=True) as w:
+    w.write_config({"a": 1})
+  os.chmod(tmp_path / "config.json", 0o640)
+  os.chmod(tmp_path / "metrics.jsonl", 0o604)
+  with metrics.MetricWriter(str(tmp_path), enabled=True, resume_step=10) as w:
+    w.write_config({"a": 2})
+  assert _mode(tmp_path / "config.json") == 0o640
+  assert _mode(tmp_path / "metrics.jsonl") == 0o604
+  assert json.loads((tmp_path / "config.json").read_text()) == {"a": 2}
+  assert _steps(metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))) == [0, 10]
 
 
 def test_read_tensorboard_reads_subdirectories(tmp_path):
