@@ -1,10 +1,16 @@
 """Deterministic text and image data: batches, sharding across processes, errors (host-only)."""
 
+import glob
+import os
+import sysconfig
+
 import ml_collections
 import numpy as np
 import pytest
 
+from helpers import ROOT
 from semijax.errors import ConfigError
+from semijax.train import config as config_lib
 from semijax.train import data as D
 
 TEXT = bytes(range(256)) * 40   # 10240 bytes; every byte value, so windows are easy to locate
@@ -52,6 +58,34 @@ def test_pydoc_corpus_is_large_utf8_and_stable():
   text = corpus.decode("utf-8")
   assert "for_stmt" in text or "The for statement" in text
   assert D.pydoc_corpus() == corpus
+
+
+def test_stdlib_corpus_is_large_deterministic_source_without_tests():
+  corpus = D.stdlib_corpus()
+  assert len(corpus) > 5_000_000
+  assert D.stdlib_corpus() is corpus   # read once per process
+  D.stdlib_corpus.cache_clear()
+  assert D.stdlib_corpus() == corpus   # read again: the same bytes
+  with open(os.__file__, "rb") as f:
+    assert f.read() in corpus           # os.py is in the standard library
+  test_file = os.path.join(sysconfig.get_paths()["stdlib"], "test", "test_os.py")
+  if os.path.exists(test_file):         # (some distributions leave the test suite out)
+    with open(test_file, "rb") as f:
+      assert f.read() not in corpus
+
+
+def test_python_sources_order_and_what_it_skips(tmp_path):
+  files = {"b.py": b"B", "a.py": b"A", "notes.txt": b"T", "pkg/c.py": b"C", "pkg/sub/d.py": b"D",
+           "test/t.py": b"X", "pkg/tests/t.py": b"X", "site-packages/s.py": b"X",
+           "__pycache__/p.py": b"X"}
+  for name, data in files.items():
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_bytes(data)
+  (tmp_path / "dead.py").symlink_to(tmp_path / "missing.py")   # unreadable
+  (tmp_path / "dir.py").mkdir()
+  os.mkfifo(tmp_path / "fifo.py")                               # would block a read
+  assert D.python_sources(str(tmp_path)) == b"A\n\nB\n\nC\n\nD"
+  assert D.python_sources(str(tmp_path / "nothing")) == b""
 
 
 def test_read_text_file(tmp_path):
@@ -327,3 +361,14 @@ def test_build_unknown_model():
   config.model.name = "resnet"
   with pytest.raises(ConfigError, match=r"^config\.model\.name: 'resnet'"):
     D.build(config)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))),
+                         ids=os.path.basename)
+def test_build_the_default_config_of_every_config_file(path):
+  config = config_lib.load(path)   # no option after the colon: the full-size default
+  if config.data.name == "digits":
+    pytest.importorskip("sklearn")
+  ds = D.build(config)
+  assert len(ds.eval_batches()) >= 1
+  assert len(ds.train_batch(0)) == 2
