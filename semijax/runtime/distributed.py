@@ -12,6 +12,8 @@ import os
 
 import jax
 
+from semijax import errors
+
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, auto: bool = False,
@@ -19,6 +21,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   """Calls jax.distributed.initialize when a multi-process job is described; else does nothing.
 
   Must run before anything touches a JAX backend.
+
+  Raises:
+    errors.InputError: several processes but no coordinator address.
   """
   env = os.environ
   coordinator_address = coordinator_address or env.get("SEMIJAX_COORDINATOR") or None
@@ -28,7 +33,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     process_id = int(env["SEMIJAX_PROCESS_ID"])
   if not auto and coordinator_address is None:
     if num_processes not in (None, 1):
-      raise ValueError("--num_processes > 1 needs --coordinator_address (host:port)")
+      raise errors.InputError(f"--num_processes: {num_processes} processes need "
+                              "--coordinator_address (host:port of process 0)")
     return
   if "cpu" in (env.get("JAX_PLATFORMS") or "cpu").split(","):
     # CPU processes exchange collectives through gloo (no-op where another backend is used).

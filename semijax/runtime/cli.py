@@ -1,0 +1,94 @@
+"""What an absl entry point (experiments/train.py) needs around its `main`.
+
+  * `parse_flags`, for app.run(main, flags_parser=cli.parse_flags): absl's flag parsing, except
+    that bad input in --config ends in one line: a missing config file, an error the config file
+    raises (an unknown option after the colon), an unknown --config.<key> override. config_flags
+    loads the config file while the flags are parsed, so these fail before `main`.
+  * `one_line_errors()`, around the body of `main`: an `errors.InputError` (bad input the user can
+    fix) or a FloatingPointError (a NaN loss) ends the program with its message as one line on
+    stderr and exit status 1. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from typing import Iterator
+
+from absl import flags
+
+from semijax import errors
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+  """Bad input or a NaN loss: exits with the message (it names the field) and no traceback."""
+  try:
+    yield
+  except (errors.InputError, FloatingPointError) as e:
+    sys.exit(str(e))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (flags.FLAGS(argv)); bad input in --config exits with one line."""
+  spec = _config_spec(argv)
+  if spec is not None and (message := missing_config_file(spec)) is not None:
+    sys.exit(message)
+  try:
+    argv = flags.FLAGS(argv)
+  except flags.Error as e:
+    if (cause := input_error(e)) is not None:   # raised by the config file's get_config
+      sys.exit(str(cause))
+    sys.exit(str(e))   # "flag --num_processes=x: ..." (or a config file's traceback: a bug)
+  except (AttributeError, KeyError) as e:   # parsing a --config.<unknown>=... override
+    if (message := unknown_override(e, argv)) is None:
+      raise
+    sys.exit(message)
+  return argv
+
+
+def _config_spec(argv: list[str]) -> str | None:
+  """The value of --config in `argv` ("configs/gpt_tiny.py:cpu"), found as absl would."""
+  probe = flags.FlagValues()
+  flags.DEFINE_string("config", None, "", flag_values=probe)
+  try:
+    probe(argv, known_only=True)
+  except flags.Error:
+    return None
+  return probe["config"].value
+
+
+def missing_config_file(spec: str) -> str | None:
+  """A message naming the config files next to it if the file part of `spec` is not a file."""
+  path = spec.split(":", 1)[0]
+  if os.path.isfile(path):
+    return None
+  folder = os.path.dirname(path) or "."
+  known = sorted(n for n in os.listdir(folder) if n.endswith(".py")) if os.path.isdir(
+      folder) else []
+  return (f"config: no config file at {path!r}" +
+          (f"; {os.path.join(folder, '')} has {', '.join(known)}" if known else ""))
+
+
+def input_error(error: BaseException | None) -> errors.InputError | None:
+  """The innermost InputError that `error` was raised from (absl and config_flags wrap it)."""
+  found, seen = None, set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, errors.InputError):
+      found = error
+    error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+  return found
+
+
+def unknown_override(error: Exception, argv: list[str]) -> str | None:
+  """A clear message for a --config.<key> override that the locked config does not have."""
+  found = re.search(r"'([A-Za-z0-9_]+)", str(error))
+  hint = re.search(r'Did you mean "[^"]*" instead of "[^"]*"\?', str(error))
+  for arg in argv[1:]:
+    name = arg.split("=")[0]
+    if found and name.startswith("--config.") and found.group(1) in name.split(".")[1:]:
+      return (f"{name[2:]}: unknown config key (from {arg})" +
+              (f"; {hint.group(0)}" if hint else ""))
+  return None

@@ -1,0 +1,83 @@
+"""The entry-point helpers, in process (tests/train/entry_point_test.py runs the real thing)."""
+
+import os
+
+from absl import flags
+from ml_collections import config_flags
+import pytest
+
+from semijax import errors
+from semijax.runtime import cli
+
+# config_flags loads config files with the deprecated importlib load_module().
+pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
+
+CONFIG_FILE = """
+from semijax import errors
+def get_config(arg=None):
+  if arg == "gpu":
+    raise errors.ConfigError("config argument: unknown option 'gpu'")
+  if arg == "bug":
+    raise TypeError("a bug in the config file")
+  return {}
+"""
+
+
+def _flag_error(tmp_path, arg) -> flags.Error:
+  """What absl and config_flags raise when the config file's get_config(arg) raises."""
+  (tmp_path / "c.py").write_text(CONFIG_FILE)
+  argv = ["prog", f"--config={tmp_path / 'c.py'}:{arg}"]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=flag_values, sys_argv=argv)
+  with pytest.raises(flags.Error) as error:
+    flag_values(argv)
+  return error.value
+
+
+def test_input_error_is_the_innermost_input_error(tmp_path):
+  error = _flag_error(tmp_path, "gpu")
+  assert "Traceback" in str(error)   # config_flags puts the traceback in the message
+  assert str(cli.input_error(error)) == "config argument: unknown option 'gpu'"
+
+
+def test_input_error_is_none_for_a_bug_or_a_suppressed_context(tmp_path):
+  assert cli.input_error(_flag_error(tmp_path, "bug")) is None
+  try:
+    try:
+      raise errors.ConfigError("config.x: hidden")
+    except errors.ConfigError:
+      raise RuntimeError("bug") from None
+  except RuntimeError as e:
+    assert cli.input_error(e) is None
+
+
+def test_one_line_errors_exits_with_the_message_and_lets_bugs_through():
+  with pytest.raises(SystemExit) as exit_info:
+    with cli.one_line_errors():
+      raise errors.LayoutError("config.layout.mlp: counts sum to 36")
+  assert exit_info.value.code == "config.layout.mlp: counts sum to 36"
+  with pytest.raises(SystemExit, match="train/loss is nan"):
+    with cli.one_line_errors():
+      raise FloatingPointError("train/loss is nan at step 2")
+  with pytest.raises(ZeroDivisionError):
+    with cli.one_line_errors():
+      _ = 1 / 0
+
+
+def test_missing_config_file_lists_the_files_next_to_it(tmp_path):
+  (tmp_path / "a.py").write_text("")
+  (tmp_path / "b.py").write_text("")
+  (tmp_path / "notes.txt").write_text("")
+  assert cli.missing_config_file(f"{tmp_path}/a.py:cpu") is None
+  assert cli.missing_config_file(f"{tmp_path}/nope.py:cpu") == (
+      f"config: no config file at '{tmp_path}/nope.py'; {tmp_path}/ has a.py, b.py")
+  assert cli.missing_config_file(f"{tmp_path}/no/such.py") == (
+      f"config: no config file at '{tmp_path}/no/such.py'")
+
+
+def test_unknown_override_names_the_flag():
+  error = AttributeError("\"'modle'\"")
+  argv = ["train.py", "--config=c.py", "--config.modle.d_model=3"]
+  assert cli.unknown_override(error, argv) == (
+      "config.modle.d_model: unknown config key (from --config.modle.d_model=3)")
+  assert cli.unknown_override(error, ["train.py", "--config.model.d_model=3"]) is None
