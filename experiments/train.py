@@ -14,6 +14,14 @@ Bad input (a setting, a config file or its options, a data file) ends the run be
 is compiled or written, with one line on stderr that starts with the field ("config.layout.mlp:
 ...") and a non-zero exit; so does a NaN loss. Anything else is a bug and keeps its traceback
 (semijax.runtime.cli).
+
+Compiled programs are kept in JAX's persistent compilation cache, by default in
+$XDG_CACHE_HOME/semijax/jax (~/.cache/semijax/jax), so a rerun of the same setup compiles nothing;
+--compilation_cache_dir=DIR moves it, --nocompilation_cache turns it off.
+
+The console shows the progress lines, semijax's own log lines and every warning; the libraries'
+INFO logs (Orbax's checkpointing) are hidden. --verbosity=0 shows them too, --verbosity=-1 shows
+warnings only.
 """
 
 from absl import app, flags, logging
@@ -31,6 +39,10 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 _AUTO = flags.DEFINE_bool("distributed_auto", False, "Let JAX detect the cluster (SLURM, TPU).")
+_CACHE = flags.DEFINE_bool("compilation_cache", True,
+                           "Keep compiled programs in --compilation_cache_dir for later runs.")
+_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", cli.default_cache_dir(),
+                                 "JAX's persistent compilation cache.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -41,6 +53,8 @@ def main(argv):
     # Before anything touches a JAX backend.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            auto=_AUTO.value)
+    if _CACHE.value:   # a rerun of the same setup then loads its programs instead of compiling
+      cli.use_compilation_cache(_CACHE_DIR.value)
     logging.info("process %d of %d, %d devices (%d local)", jax.process_index(),
                  jax.process_count(), jax.device_count(), jax.local_device_count())
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)

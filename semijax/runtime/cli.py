@@ -3,23 +3,47 @@
   * `parse_flags`, for app.run(main, flags_parser=cli.parse_flags): absl's flag parsing, except
     that bad input in --config ends in one line: a missing config file, an error the config file
     raises (an unknown option after the colon), an unknown --config.<key> override. config_flags
-    loads the config file while the flags are parsed, so these fail before `main`.
+    loads the config file while the flags are parsed, so these fail before `main`. It also hides
+    the libraries' INFO logs unless --verbosity is given (see `quiet_libraries`).
   * `one_line_errors()`, around the body of `main`: an `errors.InputError` (bad input the user can
     fix) or a FloatingPointError (a NaN loss) ends the program with its message as one line on
     stderr and exit status 1. Anything else is a bug and keeps its traceback.
+  * `use_compilation_cache(directory)`: JAX's persistent compilation cache for every program.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging as std_logging
 import os
 import re
 import sys
 from typing import Iterator
 
-from absl import flags
+from absl import flags, logging
+import jax
 
 from semijax import errors
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def default_cache_dir() -> str:
+  """$XDG_CACHE_HOME/semijax/jax, or ~/.cache/semijax/jax."""
+  cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(cache_home, "semijax", "jax")
+
+
+def use_compilation_cache(directory: str) -> None:
+  """JAX's persistent compilation cache in `directory`, for every program however fast.
+
+  Programs that call back to the host (the emulated slowdown's sleep) are never written.
+  """
+  jax.config.update("jax_compilation_cache_dir", directory)
+  # Most of our programs compile in under JAX's default threshold of 1 s, which skips them.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
 
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
@@ -45,6 +69,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     if (message := unknown_override(e, argv)) is None:
       raise
     sys.exit(message)
+  if flags.FLAGS["verbosity"].using_default_value:
+    logging.get_absl_handler().addFilter(quiet_libraries)
   return argv
 
 
@@ -92,3 +118,10 @@ def unknown_override(error: Exception, argv: list[str]) -> str | None:
       return (f"{name[2:]}: unknown config key (from {arg})" +
               (f"; {hint.group(0)}" if hint else ""))
   return None
+
+
+def quiet_libraries(record: std_logging.LogRecord) -> bool:
+  """Keeps warnings and the lines of semijax and the main script; drops other INFO (Orbax's)."""
+  main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+  return (record.levelno >= std_logging.WARNING or record.pathname.startswith(_PACKAGE_DIR)
+          or record.pathname == main_file)

@@ -1,5 +1,6 @@
 """The entry-point helpers, in process (tests/train/entry_point_test.py runs the real thing)."""
 
+import logging
 import os
 
 from absl import flags
@@ -81,3 +82,22 @@ def test_unknown_override_names_the_flag():
   assert cli.unknown_override(error, argv) == (
       "config.modle.d_model: unknown config key (from --config.modle.d_model=3)")
   assert cli.unknown_override(error, ["train.py", "--config.model.d_model=3"]) is None
+
+
+def _record(level, pathname):
+  return logging.LogRecord("absl", level, pathname, 1, "message", (), None)
+
+
+def test_quiet_libraries_hides_only_other_libraries_info():
+  ours = os.path.join(os.path.dirname(os.path.dirname(cli.__file__)), "core", "engine.py")
+  orbax = "/venv/site-packages/orbax/checkpoint/checkpoint_manager.py"
+  assert cli.quiet_libraries(_record(logging.INFO, ours))
+  assert not cli.quiet_libraries(_record(logging.INFO, orbax))
+  assert cli.quiet_libraries(_record(logging.WARNING, orbax))
+
+
+def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert cli.default_cache_dir() == str(tmp_path / "semijax" / "jax")
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  assert cli.default_cache_dir() == os.path.expanduser("~/.cache/semijax/jax")

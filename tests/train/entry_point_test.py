@@ -74,7 +74,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     workdir, cache = root / name / "workdir", root / name / "cache"
     out, err = open(root / f"{name}.out", "w+"), open(root / f"{name}.err", "w+")
     command = [sys.executable, os.path.join("experiments", "train.py"), "--config", case.config,
-               "--workdir", str(workdir), *case.args]
+               "--workdir", str(workdir), f"--compilation_cache_dir={cache}", *case.args]
     started[name] = (subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err), out, err,
                      workdir, cache)
   done = {}
@@ -101,7 +101,8 @@ def test_bad_input_ends_in_one_line_naming_the_field(runs, name):
   assert "Traceback" not in run.stderr, run.stderr
   assert re.match(case.last_line, lines[-1]), run.stderr
   if case.refused_early:
-    assert not os.path.exists(run.workdir)   # nothing written
+    assert not os.path.exists(run.workdir)   # nothing written ...
+    assert not os.path.exists(run.cache)     # ... nor compiled (every program would be cached)
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.last_line is None])
@@ -110,3 +111,4 @@ def test_good_input_trains(runs, name):
   assert run.returncode == 0, run.stderr
   assert re.search(r"\bstep 1/1\b", run.stdout), run.stdout
   assert os.path.exists(os.path.join(run.workdir, "metrics.jsonl"))
+  assert os.listdir(run.cache)   # the compiled programs, for the next run
