@@ -105,6 +105,16 @@ class Engine:
         out[kind] = shape[axis] // self.unit_sizes[kind]
     return out
 
+  def unit_bytes(self) -> dict:
+    """{kind: bytes of one unit's weights over all layers} (float32)."""
+    out = {}
+    for a, shape in zip(jax.tree.leaves(self.axes), jax.tree.leaves(
+        self.logical_shapes, is_leaf=lambda x: isinstance(x, tuple))):
+      if (unit := a.unit()) is not None:
+        kind = unit[1]
+        out[kind] = out.get(kind, 0.0) + 4.0 * np.prod(shape) / self.num_units[kind]
+    return out
+
   @property
   def tensor_size(self) -> int:
     return self.mesh.shape[mesh_lib.TENSOR]

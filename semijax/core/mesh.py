@@ -6,12 +6,29 @@ inner, fastest-varying axis, so a tensor group sits on neighbouring devices (one
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
 DATA = "data"
 TENSOR = "tensor"
 AXES = (DATA, TENSOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  """Devices per mesh axis (`config.mesh`)."""
+
+  data: int = 1
+  tensor: int = 1
+
+  @property
+  def size(self) -> int:
+    return self.data * self.tensor
+
+  def make(self, devices=None) -> jax.sharding.Mesh:
+    return make_mesh(self.data, self.tensor, devices)
 
 
 def make_mesh(data: int, tensor: int, devices=None) -> jax.sharding.Mesh:

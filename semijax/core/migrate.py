@@ -8,7 +8,9 @@ with a local gather. Per unit kind and leaf, on every tensor device d:
      (K = `chunk` slots per device pair);
   2. exchange the buffers with one `all_to_all` over `tensor` (chunk t goes to device t); the
      buffers of all leaves of a kind (weights, biases and optimizer moments of every layer) are
-     concatenated first, so there is one all_to_all per kind, and none for a kind with K = 0;
+     of one dtype are concatenated first, so there is one all_to_all per (kind, dtype): one per
+     kind for a float32 state, none for a kind with K = 0; the all_to_alls are chained, so every
+     device enters them in the same order;
   3. gather the staying units into their new slots (the rest is zero) and scatter the received
      units into theirs.
 
@@ -322,7 +324,7 @@ def _signature(tree) -> tuple:
 
 class Migrator:
   """Executes `Moves` on padded trees of one mesh: one jitted shard_map program (one all_to_all
-  per unit kind), compiled once per (moves key, tree shapes).
+  per unit kind and dtype), compiled once per (moves key, tree shapes).
 
   Args:
     mesh: the (data, tensor) mesh the padded trees live on.
@@ -391,10 +393,11 @@ class Migrator:
     self._compiled[key] = fn
     return fn
 
-  def compile(self, tree, axes, moves: Moves) -> None:
-    """Compiles (ahead of time) the collective for `moves`' key and this tree's shapes."""
+  def compile(self, tree, axes, moves: Moves):
+    """Compiles (ahead of time) the collective for `moves`' key and this tree's shapes; returns
+    the compiled executable (e.g. to read its program with `.as_text()`)."""
     self.check(tree, axes, moves)
-    self._compiled_fn(tree, axes, moves, self.device_plan(moves))
+    return self._compiled_fn(tree, axes, moves, self.device_plan(moves))
 
   def __call__(self, tree, axes, moves: Moves):
     """Moves a padded tree from layout `moves.src` to `moves.dst`.

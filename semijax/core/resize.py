@@ -1,6 +1,9 @@
 """ZERO-resizing: a slow device computes only part of its work for a while (DESIGN.md s2).
 
-Two modes (`ResizeSpec.mode`):
+This module is the mechanism (what a resized step computes and updates); whom to resize and how
+(`balance.resize.ResizeSpec`) and which units to keep (`balance.priority`) are balancing.
+
+Two modes (`MODES`):
   * "units": the device skips a subset of its owned MLP units and heads in a layer, so both GEMMs
     of the block (forward, input gradient and weight gradient) shrink for it;
   * "contraction" (the authors' variant): the device skips part of the contraction dimension of
@@ -13,7 +16,7 @@ times full/kept, so its expectation matches the full one). `freeze` keeps skippe
 optimizer moments exactly as they were for that step (Adam moments applied to a zero gradient
 would otherwise still move them).
 
-Which units are skipped is chosen on the host by `priority.Priority` and handed to the step as a
+Which units are skipped is chosen on the host (`balance.priority`) and handed to the step as a
 `Resize` (data, so a new choice or keep ratio never recompiles). Evaluation never resizes.
 """
 
@@ -29,98 +32,7 @@ import jax.numpy as jnp
 
 MODES = ("units", "contraction")
 IMPUTATIONS = ("zero", "fill", "rescale")
-PRIORITIES = ("weight_delta", "random", "window", "magnitude")
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
-
-
-class ResizeError(ValueError):
-  """A resize setting that cannot be used; the message starts with the field name."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ResizeSpec:
-  """How and whom to resize (parsed from `config.resize`; see config_lib).
-
-  Attributes:
-    keep: one keep ratio in (0, 1] per tensor device, or () to use `straggler`.
-    straggler: "rotate" (device `epoch mod N`), a tuple of device indices, or "" / ().
-    straggler_keep: the keep ratio of a straggler.
-    mode, imputation, priority: see MODES, IMPUTATIONS, PRIORITIES.
-    freeze: keep skipped weights and their optimizer moments unchanged in that step.
-    fill_value: the constant of the "fill" imputation.
-    epoch_steps: steps per "epoch" (rotation period; default refresh interval); 0 = one pass
-      over the training data.
-    refresh_every: steps between priority refreshes; 0 = `epoch_steps`.
-    fractions: contraction mode: compiled keep fractions (ascending, ending at 1.0); a device
-      executes its contraction at the smallest fraction >= its keep ratio.
-  """
-
-  keep: tuple[float, ...] = ()
-  straggler: str | tuple[int, ...] = ""
-  straggler_keep: float = 0.5
-  mode: str = "units"
-  imputation: str = "zero"
-  priority: str = "weight_delta"
-  freeze: bool = True
-  fill_value: float = 1e-18
-  epoch_steps: int = 0
-  refresh_every: int = 0
-  fractions: tuple[float, ...] = DEFAULT_FRACTIONS
-
-  @property
-  def enabled(self) -> bool:
-    return bool(self.keep) or bool(self.straggler)
-
-  def validate(self, num_devices: int) -> "ResizeSpec":
-    """Raises ResizeError (naming the field) unless this spec fits `num_devices` devices."""
-    f = "config.resize"
-    for name, allowed in (("mode", MODES), ("imputation", IMPUTATIONS),
-                          ("priority", PRIORITIES)):
-      if getattr(self, name) not in allowed:
-        raise ResizeError(f"{f}.{name}: {getattr(self, name)!r} is not one of {list(allowed)}")
-    ok_ratio = lambda r: isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r <= 1
-    if self.keep:
-      if len(self.keep) != num_devices:
-        raise ResizeError(f"{f}.keep: {len(self.keep)} ratios {self.keep} for mesh.tensor = "
-                          f"{num_devices} devices")
-      bad = [r for r in self.keep if not ok_ratio(r)]
-      if bad:
-        raise ResizeError(f"{f}.keep: every ratio must be in (0, 1], got {bad[0]!r}")
-      if self.straggler:
-        raise ResizeError(f"{f}.straggler: set either resize.keep or resize.straggler, not both")
-    if isinstance(self.straggler, str):
-      if self.straggler not in ("", "rotate"):
-        raise ResizeError(f"{f}.straggler: {self.straggler!r} is not 'rotate' or a tuple of "
-                          "device indices")
-    else:
-      bad = [d for d in self.straggler
-             if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < num_devices]
-      if bad:
-        raise ResizeError(f"{f}.straggler: device {bad[0]!r} is not in [0, {num_devices})")
-    if not ok_ratio(self.straggler_keep):
-      raise ResizeError(f"{f}.straggler_keep: must be in (0, 1], got {self.straggler_keep!r}")
-    fr = self.fractions
-    if not fr or list(fr) != sorted(set(fr)) or fr[-1] != 1.0 or not all(0 < x <= 1 for x in fr):
-      raise ResizeError(f"{f}.fractions: {fr} must be distinct ascending ratios in (0, 1] "
-                        "ending at 1.0")
-    for name in ("epoch_steps", "refresh_every"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ResizeError(f"{f}.{name}: must be an integer >= 0, got {v!r}")
-    if not (isinstance(self.fill_value, (int, float)) and math.isfinite(self.fill_value)):
-      raise ResizeError(f"{f}.fill_value: must be a finite number, got {self.fill_value!r}")
-    return self
-
-  def keep_ratios(self, step: int, num_devices: int, epoch_steps: int) -> tuple[float, ...]:
-    """Keep ratio of every tensor device in 0-based `step` (1.0 = not resized)."""
-    if self.keep:
-      return tuple(float(r) for r in self.keep)
-    if self.straggler == "rotate":
-      stragglers = {(step // max(epoch_steps, 1)) % num_devices}
-    else:
-      stragglers = set(self.straggler or ())
-    return tuple(float(self.straggler_keep) if d in stragglers else 1.0
-                 for d in range(num_devices))
 
 
 def kept_count(keep: float, active: int) -> int:

@@ -1,33 +1,33 @@
-"""Models built from uneven tensor-parallel blocks, and how a config names them."""
+"""Models built from uneven tensor-parallel blocks, and the registry that names them.
+
+A model class provides `FIELDS` (its config fields), `spec(**fields)` (a validated
+`core.spec.ModelSpec`), `loss_terms` (`tasks`), `input_key` and the NNX module itself. Adding a
+model is a module and one entry in `REGISTRY`.
+"""
 
 from __future__ import annotations
 
+from semijax.core import spec as spec_lib
+from semijax.errors import ConfigError
 from semijax.models import gpt
-from semijax.models import tasks
 from semijax.models import vit
 
-# config.model fields of each model (besides `name`); all are required.
-FIELDS = {
-    "gpt": ("vocab_size", "seq_len", "d_model", "num_heads", "d_ff", "num_layers"),
-    "vit": ("image_size", "patch_size", "channels", "num_classes", "d_model", "num_heads", "d_ff",
-            "num_layers"),
-}
-_CLASSES = {"gpt": (gpt.GPT, tasks.language_model), "vit": (vit.ViT, tasks.classification)}
+REGISTRY = {"gpt": gpt.GPT, "vit": vit.ViT}
 
 
-def build(model_cfg):
-  """(model_fn(rngs) -> nnx.Module, loss_terms) for `config.model`."""
-  cls, loss_terms = _CLASSES[model_cfg.name]
-  kw = {k: model_cfg[k] for k in FIELDS[model_cfg.name]}
-  return (lambda rngs: cls(rngs=rngs, **kw)), loss_terms
+def model_class(name: str):
+  if name not in REGISTRY:
+    raise ConfigError(f"config.model.name: {name!r} is not one of {sorted(REGISTRY)}")
+  return REGISTRY[name]
 
 
-def sequence_length(model_cfg) -> int:
-  """Tokens per example the blocks see (bytes for GPT, patches + class token for ViT)."""
-  if model_cfg.name == "gpt":
-    return model_cfg.seq_len
-  return (model_cfg.image_size // model_cfg.patch_size) ** 2 + 1
+def spec(name: str, fields: dict) -> spec_lib.ModelSpec:
+  """The validated `ModelSpec` of model `name` with config `fields` (without the name)."""
+  return model_class(name).spec(**fields)
 
 
-def is_causal(model_cfg) -> bool:
-  return model_cfg.name == "gpt"
+def build(spec: spec_lib.ModelSpec):
+  """(model_fn(rngs) -> nnx.Module, loss_terms) for a spec."""
+  cls = model_class(spec.name)
+  kw = spec.kwargs
+  return (lambda rngs: cls(rngs=rngs, **kw)), cls.loss_terms

@@ -6,7 +6,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from semijax.core import plan as plan_lib
+from semijax.core import spec as spec_lib
+from semijax.models import checks
 from semijax.models import layers
+from semijax.models import tasks
 
 
 class GPT(nnx.Module):
@@ -17,6 +20,17 @@ class GPT(nnx.Module):
   """
 
   input_key = "inputs"
+  FIELDS = ("vocab_size", "seq_len", "d_model", "num_heads", "d_ff", "num_layers")
+  loss_terms = staticmethod(tasks.language_model)
+
+  @classmethod
+  def spec(cls, **fields) -> spec_lib.ModelSpec:
+    """The validated spec of a GPT with these config fields (ConfigError naming a bad one)."""
+    f = checks.positive_fields("gpt", cls.FIELDS, fields)
+    checks.heads_divide_width(f)
+    return spec_lib.ModelSpec("gpt", tuple((k, f[k]) for k in cls.FIELDS), f["d_model"],
+                              f["num_heads"], f["d_ff"], f["num_layers"], seq_len=f["seq_len"],
+                              causal=True, items_per_example=f["seq_len"], unit="tokens")
 
   def __init__(self, *, vocab_size: int = 256, seq_len: int, d_model: int, num_heads: int,
                d_ff: int, num_layers: int, rngs: nnx.Rngs):

@@ -6,7 +6,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from semijax.core import plan as plan_lib
+from semijax.core import spec as spec_lib
+from semijax.errors import ConfigError
+from semijax.models import checks
 from semijax.models import layers
+from semijax.models import tasks
 
 
 def patchify(images: jnp.ndarray, patch: int) -> jnp.ndarray:
@@ -23,11 +27,28 @@ class ViT(nnx.Module):
   """
 
   input_key = "images"
+  FIELDS = ("image_size", "patch_size", "channels", "num_classes", "d_model", "num_heads", "d_ff",
+            "num_layers")
+  loss_terms = staticmethod(tasks.classification)
+
+  @classmethod
+  def spec(cls, **fields) -> spec_lib.ModelSpec:
+    """The validated spec of a ViT with these config fields (ConfigError naming a bad one)."""
+    f = checks.positive_fields("vit", cls.FIELDS, fields)
+    checks.heads_divide_width(f)
+    if f["image_size"] % f["patch_size"]:
+      raise ConfigError(f"config.model.patch_size: {f['patch_size']} does not divide "
+                        f"config.model.image_size {f['image_size']}; use a divisor of it")
+    seq_len = (f["image_size"] // f["patch_size"]) ** 2 + 1     # patches + the class token
+    return spec_lib.ModelSpec("vit", tuple((k, f[k]) for k in cls.FIELDS), f["d_model"],
+                              f["num_heads"], f["d_ff"], f["num_layers"], seq_len=seq_len,
+                              causal=False, items_per_example=1, unit="images")
 
   def __init__(self, *, image_size: int, patch_size: int, channels: int, num_classes: int,
                d_model: int, num_heads: int, d_ff: int, num_layers: int, rngs: nnx.Rngs):
     if image_size % patch_size:
-      raise ValueError(f"model.patch_size: {patch_size} does not divide image_size {image_size}")
+      raise ConfigError(f"config.model.patch_size: {patch_size} does not divide "
+                        f"config.model.image_size {image_size}")
     self.head_dim = d_model // num_heads
     self.patch_size = patch_size
     num_patches = (image_size // patch_size) ** 2

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import helpers
-from semijax.balance import coordinator as balance
 from semijax.core import kernels
+from semijax.core import layout as layout_lib
 from semijax.core import plan as plan_lib
 
 N = 4
@@ -19,7 +19,10 @@ N = 4
 
 def bucketed_even():
   """The even split of the test GPT in a bucket twice the even share, four widths per kind."""
-  return balance.bucket_layout(helpers.even_layout(N), 2.0, 4)
+  even = helpers.even_layout(N)
+  return layout_lib.Layout(**{k: u.replace(capacity=2 * u.capacity,
+                                           widths=layout_lib.default_widths(2 * u.capacity, 4))
+                              for k, u in even.kinds().items()})
 
 
 def test_uniform_widths_of_even_and_uneven_layouts():
