@@ -2,7 +2,7 @@
 
 Runs on the host, between steps. Scores are kept per *logical* unit (so they survive any layout
 change, and a migration carries them for free) and, in contraction mode, per device and input
-feature. Policies (`resize.PRIORITIES`):
+feature. Policies (`PRIORITIES`):
 
   weight_delta  the authors': the L1 change of each unit's weights since the last refresh; only
                 indices computed in the period get a new score, skipped ones keep their stale
@@ -24,6 +24,7 @@ import numpy as np
 from semijax.core import layout as layout_lib
 from semijax.core import resize as resize_lib
 
+PRIORITIES = ("weight_delta", "random", "window", "magnitude")
 ROLES = ("col", "bias", "row")
 
 
@@ -87,13 +88,13 @@ class Priority:
   """Scores and selection of the units each resized device keeps (see module doc).
 
   Args:
-    spec: the `resize.ResizeSpec`.
+    spec: the `balance.resize.ResizeSpec` (mode, priority, seed-independent settings).
     num_layers, d_model: model sizes; num_units: {kind: U}; unit_sizes: {kind: entries per unit}.
     num_devices: N, devices on the tensor axis.
     seed: for the random policy.
   """
 
-  def __init__(self, spec: resize_lib.ResizeSpec, *, num_layers: int, d_model: int,
+  def __init__(self, spec, *, num_layers: int, d_model: int,
                num_units: dict, unit_sizes: dict, num_devices: int, seed: int = 0):
     self.spec, self.num_layers, self.d_model = spec, num_layers, d_model
     self.num_units, self.unit_sizes, self.num_devices, self.seed = (
@@ -140,6 +141,16 @@ class Priority:
     self.snapshot = w
     self.refreshes += 1
     self._clear_seen()
+
+  def mark_computed(self, layout: layout_lib.Layout) -> None:
+    """Marks every unit (and, in contraction mode, every input feature) that an exact step of
+    `layout` computes as seen in this period: its weights change, so the next refresh must score
+    it anew. (`select` marks what a resized step keeps.)"""
+    for kind, u in layout.kinds().items():
+      for d, owned in enumerate(u.owned):
+        self.seen[kind][:, list(owned[:u.active[d]])] = True
+        if u.active[d]:
+          self.feat_seen[kind][:, d] = True
 
   # --- selection --------------------------------------------------------------------------------
 
@@ -206,3 +217,52 @@ class Priority:
       self.feat_seen = {k: np.asarray(v, bool) for k, v in state["feat_seen"].items()}
     snap = state.get("snapshot")
     self.snapshot = None if snap is None else jax.tree.map(np.asarray, snap)
+
+
+class Resizer:
+  """A run's priority over time: when scores refresh, and the `Resize` of each step.
+
+  Scores are refreshed at every multiple of `refresh_every` steps (and at the first step if never
+  refreshed), as in the authors' code. Between refreshes one `Resize` serves every step with the
+  same keep ratios and layout (`version` counts new ones, so plans built from a `Resize` can be
+  cached by it). A step without resizing computes every owned unit: those units are marked as
+  seen, so that their weight changes count at the next refresh.
+
+  Args:
+    priority: the `Priority` (scores and selection).
+    refresh_every: steps between refreshes.
+  """
+
+  def __init__(self, priority: Priority, refresh_every: int):
+    self.priority, self.refresh_every = priority, max(int(refresh_every), 1)
+    self.version = 0
+    self._scores_step = None
+    self._cache = (None, None)         # ((keep, layout), Resize) since the last refresh
+    self._marked = None                # the layout whose exact steps are marked this period
+
+  def due(self, step: int) -> bool:
+    """Whether 0-based `step` refreshes the scores (once per step)."""
+    return step != self._scores_step and (step % self.refresh_every == 0
+                                           or self.priority.refreshes == 0)
+
+  def refresh(self, step: int, params, axes, layout: layout_lib.Layout) -> None:
+    """Recomputes the scores from logical host `params` at 0-based `step`."""
+    self.priority.refresh(params, axes, layout)
+    self._scores_step = step
+    self._cache = (None, None)
+    self._marked = None
+
+  def resize(self, layout: layout_lib.Layout, keep) -> resize_lib.Resize | None:
+    """The host `Resize` for keep ratios `keep` [N] in `layout`, or None (an exact step)."""
+    if keep is None:
+      if self._marked != layout:
+        self.priority.mark_computed(layout)
+        self._marked = layout
+      return None
+    cached, resize = self._cache
+    if cached != (keep, layout):
+      resize = self.priority.select(layout, keep)
+      self._cache = ((keep, layout), resize)
+      self.version += 1
+    return resize
+

@@ -155,22 +155,33 @@ class Regime:
   start_s: float          # when it began (clock seconds)
 
 
+# The shortest remaining duration a regime is expected to have: a second, so that a regime just
+# confirmed still amortizes a migration over a few steps rather than over none.
+MIN_EXPECTED_S = 1.0
+
+
 class SpeedTracker:
   """Relative per-device speeds with smoothing and change detection (see module doc).
+
+  A device *deviates* when its sample differs from the regime's level by more than `threshold`;
+  a device that deviates in `confirm` consecutive samples confirms a new regime (its speed the
+  mean of those samples; devices that did not deviate keep theirs). Deviations are counted per
+  device, so bursts that alternate between devices never add up to a regime.
 
   Args:
     num_devices: N, tensor devices.
     alpha: EWMA weight of a new sample inside a regime (in log space).
     threshold: a device whose sample differs from the regime's level by more than this factor
       (e.g. 0.2 = 20%) is deviating.
-    confirm: consecutive deviating samples that make a new regime (shorter = a burst, ignored).
+    confirm: consecutive deviating samples of one device that make a new regime (shorter = a
+      burst, ignored).
     min_expected_s: the shortest remaining duration `expected_remaining_s` returns.
   """
 
   def __init__(self, num_devices: int, *, alpha: float = 0.3, threshold: float = 0.2,
-               confirm: int = 3, min_expected_s: float = 1.0):
+               confirm: int = 3, min_expected_s: float = MIN_EXPECTED_S):
     if not 0 < alpha <= 1:
-      raise ValueError(f"balance.alpha: must be in (0, 1], got {alpha}")
+      raise ValueError(f"balance.speed_alpha: must be in (0, 1], got {alpha}")
     if not threshold > 0:
       raise ValueError(f"balance.change_threshold: must be positive, got {threshold}")
     if confirm < 1:
@@ -180,7 +191,9 @@ class SpeedTracker:
     self.min_expected_s = min_expected_s
     self.regime: Regime | None = None
     self.history: list[tuple[float, np.ndarray]] = []   # (duration s, speeds) of past regimes
-    self._pending: list[tuple[float, np.ndarray]] = []
+    self._streak = np.zeros(num_devices, np.int64)      # consecutive deviating samples
+    self._since = np.zeros(num_devices)                 # when each device's streak began
+    self._recent: list[np.ndarray] = []                 # the last `confirm` samples (log speeds)
     self.samples = 0
 
   @property
@@ -197,23 +210,26 @@ class SpeedTracker:
     if times.shape != (self.num_devices,) or not np.all(np.isfinite(times) & (times > 0)):
       raise ValueError(f"speed sample: need {self.num_devices} positive times, got {times}")
     self.samples += 1
-    raw = times.min() / times
+    raw = np.log(times.min() / times)
     if self.regime is None:
-      self.regime = Regime(raw, now)
+      self.regime = Regime(np.exp(raw), now)
       return True
-    level = self.regime.speeds
-    if np.any(np.abs(np.log(raw) - np.log(level)) > self.log_threshold):
-      self._pending.append((now, raw))
-      if len(self._pending) < self.confirm:
-        return False
-      start = self._pending[0][0]
-      self.history.append((start - self.regime.start_s, level))
-      speeds = np.exp(np.mean([np.log(r) for _, r in self._pending], axis=0))
+    level = np.log(self.regime.speeds)
+    deviating = np.abs(raw - level) > self.log_threshold
+    self._since = np.where(deviating & (self._streak == 0), now, self._since)
+    self._streak = np.where(deviating, self._streak + 1, 0)
+    self._recent = (self._recent + [raw])[-self.confirm:]
+    confirmed = self._streak >= self.confirm
+    if confirmed.any():
+      start = float(self._since[confirmed].min())
+      self.history.append((start - self.regime.start_s, self.regime.speeds))
+      speeds = np.exp(np.where(confirmed, np.mean(self._recent, axis=0), level))
       self.regime = Regime(speeds / speeds.max(), start)
-      self._pending = []
+      self._streak[:] = 0
       return True
-    self._pending = []
-    mixed = np.exp((1 - self.alpha) * np.log(level) + self.alpha * np.log(raw))
+    if deviating.any():          # maybe the start of a change: do not blend it into the level
+      return False
+    mixed = np.exp((1 - self.alpha) * level + self.alpha * raw)
     self.regime.speeds = mixed / mixed.max()
     return False
 

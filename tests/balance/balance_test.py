@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import tiny_gpt
-from semijax.balance import coordinator as balance
+from semijax.balance import coordinator
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 
@@ -84,57 +84,36 @@ def test_semi_resizes_a_short_slowdown(tmp_path, even):
   assert not np.allclose(summary["losses"], even["losses"], rtol=1e-5)
 
 
-def test_bucket_layout_and_rebalance():
-  layout = config_lib.validate(tiny_gpt(tensor=4)).layout
-  big = balance.bucket_layout(layout, 2.0, 4)
-  assert big.mlp.capacity == 32 and big.mlp.counts == (16, 16, 16, 16)
-  assert big.heads.capacity == 4 and big.mlp.widths == (8, 16, 24, 32)
-  new = balance.rebalance(big, {"mlp": (4, 20, 20, 20), "heads": (2, 2, 2, 2)})
-  assert new.mlp.counts == (4, 20, 20, 20) and new.mlp.capacity == 32
-  # Only the 12 surplus units of device 0 moved; the others kept theirs.
-  for d in (1, 2, 3):
-    assert set(big.mlp.owned[d]) <= set(new.mlp.owned[d])
-  assert sorted(u for o in new.mlp.owned for u in o) == list(range(64))
-  # The tight bucket of the even split: capacity 16, the big bucket's widths below it.
-  tight = balance.tight_layout(big)
-  assert tight.mlp.capacity == 16 and tight.mlp.widths == (8, 16)
-  assert tight.mlp.owned == big.mlp.owned
-  assert balance.bucket_like(tight, new).mlp.capacity == 32
-  assert balance.bucket_like(tight, new).mlp.owned == tight.mlp.owned
-
-
 def test_migrations_switch_buckets_and_keep_the_state():
   # migrate starts in the tight bucket; an uneven split re-lays the state out in the big bucket,
   # the even split brings it back; the logical state never changes.
   c = tiny_gpt(tensor=4)
   c.balance.policy = "migrate"
-  parsed = config_lib.validate(c)
-  engine = train.build_engine(c, parsed)
-  layout = balance.Balancer.initial_layout(c, parsed)
-  assert layout.mlp.capacity == 16 and layout.heads.capacity == 2
-  b = balance.Balancer(c, parsed, engine, layout, None, 100)
-  state = engine.init(0, layout)
-  want = jax.device_get(engine.to_logical(state, layout))
-  state = b._migrate(state, {"mlp": (4, 20, 20, 20), "heads": (2, 2, 2, 2)})
-  assert b.layout.mlp.capacity == 32 and b.layout.mlp.counts == (4, 20, 20, 20)
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(engine.to_logical(state, b.layout)),
+  run = config_lib.validate(c)
+  engine = train.build_engine(run)
+  b = coordinator.Balancer.create(engine, settings=run.balance, resize_spec=run.resize,
+                                  hetero=run.hetero, spec=run.model, layout=run.layout,
+                                  workdir=None, steps_per_epoch=100, seed=0)
+  start = b.layout
+  assert start.mlp.capacity == 16 and start.heads.capacity == 2
+  state = engine.init(0, start)
+  want = jax.device_get(engine.to_logical(state, start))
+  uneven = b.buckets.target(start, {"mlp": (4, 20, 20, 20), "heads": (2, 2, 2, 2)})
+  state, seconds = b.mover.timed_move(state, start, uneven)
+  assert uneven.mlp.capacity == 32 and uneven.mlp.counts == (4, 20, 20, 20) and seconds > 0
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(engine.to_logical(state, uneven)),
                want)
-  state = b._migrate(state, {"mlp": (16, 16, 16, 16), "heads": (2, 2, 2, 2)})
-  assert b.layout.bucket() == layout.bucket() and b.layout.mlp.counts == (16, 16, 16, 16)
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(engine.to_logical(state, b.layout)),
+  back = b.buckets.target(uneven, {"mlp": (16, 16, 16, 16), "heads": (2, 2, 2, 2)})
+  state, _ = b.mover.timed_move(state, uneven, back)
+  assert back.bucket() == start.bucket() and back.mlp.counts == (16, 16, 16, 16)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(engine.to_logical(state, back)),
                want)
-  assert b.stats["migrations"] == 2
-
-
-def test_rotating_slowdown_profile():
-  assert balance.slowdown_at((8, 1, 1), 0, 5) == (8, 1, 1)
-  assert balance.slowdown_at((8, 1, 1), 5, 5) == (1, 8, 1)
-  assert balance.slowdown_at((8, 1, 1), 14, 5) == (1, 1, 8)
-  assert balance.slowdown_at((8, 1, 1), 14, 0) == (8, 1, 1)
+  assert b.mover.moves == 2
 
 
 @pytest.mark.parametrize("field,value,match", [
     ("balance.policy", "fastest", "config.balance.policy"),
+    ("balance.cost_memory", 0.5, "config.balance.cost_memory"),
     ("balance.capacity_factor", 0.5, "config.balance.capacity_factor"),
     ("balance.measure", "guess", "config.balance.measure"),
     ("hetero.rotate_every", -1, "config.hetero.rotate_every"),

@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 
 from semijax.balance import controller as ctl
+from semijax.balance import cost as cost_lib
+from semijax.balance import policies
+from semijax.balance import settings as settings_lib
 from semijax.balance import speed
 from semijax.core import layout as layout_lib
+from semijax.errors import ConfigError
 
 OWNED = {"mlp": (4, 4), "heads": (1, 1)}
 SLOW = (1.0, 0.5)
@@ -19,16 +23,16 @@ EVEN = (1.0, 1.0)
 
 
 def cost_model(move_s=0.5):
-  cost = ctl.CostModel({"mlp": 1.0, "heads": 0.0}, {"mlp": (2, 4, 6, 8), "heads": (1, 2)},
+  cost = cost_lib.CostModel({"mlp": 1.0, "heads": 0.0}, {"mlp": (2, 4, 6, 8), "heads": (1, 2)},
                        {"mlp": 8, "heads": 2}, fixed_fraction=0.1, move_s=move_s)
   cost.observe(ctl.Setup.of(OWNED), SLOW, 1.0)
   return cost
 
 
 def controller(policy="semi", **kw):
-  settings = ctl.Settings(policy=policy, **kw)
-  return ctl.Controller(settings, cost_model(), ctl.Setup.of(OWNED), {"mlp": 6, "heads": 1},
-                        unit_bytes={"mlp": 1e6, "heads": 0.0})
+  settings = settings_lib.BalanceSettings(policy=policy, **kw).validate(policies.REGISTRY)
+  return ctl.Controller(policies.make(settings), settings, cost_model(), ctl.Setup.of(OWNED),
+                        {"mlp": 6, "heads": 1}, unit_bytes={"mlp": 1e6, "heads": 0.0})
 
 
 def test_cost_model_hand_computed():
@@ -53,8 +57,9 @@ def test_cost_model_hand_computed():
 def test_cost_model_charges_the_branched_step():
   # With a single-width step at width 4, the even exact setup runs it (factor 1); every other
   # setup runs the branched step, which rematerializes the forward: factor 1 + 1/3.
-  cost = ctl.CostModel({"mlp": 1.0, "heads": 0.0}, {"mlp": (2, 4, 6, 8), "heads": (1, 2)},
-                       {"mlp": 8, "heads": 2}, fixed_fraction=0.1, narrow={"mlp": 4, "heads": 1})
+  cost = cost_lib.CostModel({"mlp": 1.0, "heads": 0.0}, {"mlp": (2, 4, 6, 8), "heads": (1, 2)},
+                            {"mlp": 8, "heads": 2}, fixed_fraction=0.1,
+                            narrow={"mlp": 4, "heads": 1})
   cost.observe(ctl.Setup.of(OWNED), SLOW, 1.0)        # as above: fixed 0.1, per_load 0.9
   assert cost.per_load_s == pytest.approx(0.9)
   assert not cost.branched(ctl.Setup.of(OWNED))
@@ -68,7 +73,7 @@ def test_cost_model_charges_the_branched_step():
 
 
 def test_cost_model_fits_fixed_and_per_load_once_load_varies():
-  cost = ctl.CostModel({"mlp": 1.0}, {"mlp": (2, 4, 6, 8)}, {"mlp": 8}, fixed_fraction=0.5)
+  cost = cost_lib.CostModel({"mlp": 1.0}, {"mlp": (2, 4, 6, 8)}, {"mlp": 8}, fixed_fraction=0.5)
   truth = lambda setup, s: 0.2 + 0.6 * cost.critical(setup, s)   # a = 0.2, b = 0.6
   for counts in [(4, 4), (6, 2), (4, 4), (6, 2), (2, 6)]:
     setup = ctl.Setup.of({"mlp": counts})
@@ -90,12 +95,13 @@ def test_target_counts_follow_speed_on_bucket_widths_and_capacity():
 
 def test_semi_keep_equalizes_within_budget():
   c = controller()
-  assert c.resize_keep(OWNED, SLOW) == (1.0, 0.5)
-  assert c.resize_keep(OWNED, EVEN) is None
+  assert c.equalizing_keep(OWNED, SLOW) == (1.0, 0.5)
+  assert c.equalizing_keep(OWNED, EVEN) is None
   # Budget 0.25: keep at least 0.75 even though 0.5 would balance.
-  assert controller(resize_budget=0.25).resize_keep(OWNED, SLOW) == (1.0, 0.75)
+  assert controller(resize_budget=0.25).equalizing_keep(OWNED, SLOW) == (1.0, 0.75)
   # The resize policy always uses its fixed keep on slow devices.
-  assert controller("resize", resize_keep=0.25).resize_keep(OWNED, SLOW) == (1.0, 0.25)
+  c = controller("resize", resize_keep=0.25)
+  assert c.policy.candidates(c, SLOW, 100.0)["resize"].keep == (1.0, 0.25)
 
 
 def test_amortization_decides_whether_a_migration_pays():
@@ -195,10 +201,11 @@ def test_decisions_carry_reasons_and_predictions():
 
 
 @pytest.mark.parametrize("field,value", [("policy", "fastest"), ("hysteresis", 1.5),
-                                         ("resize_budget", -0.1), ("patience", 0)])
+                                         ("resize_budget", -0.1), ("patience", 0),
+                                         ("cost_alpha", float("nan")), ("confirm", 1.5)])
 def test_bad_settings_are_refused(field, value):
-  with pytest.raises(ValueError, match=f"config.balance.{field}"):
-    ctl.Settings(**{field: value}).validate()
+  with pytest.raises(ConfigError, match=f"^config.balance.{field}: "):
+    settings_lib.BalanceSettings(**{field: value}).validate(policies.REGISTRY)
 
 
 # --- speed tracking ---------------------------------------------------------------------------
@@ -236,3 +243,73 @@ def test_tracker_refuses_bad_samples():
     t.update([1.0, 0.0], 0.0)
   with pytest.raises(ValueError, match="speed sample"):
     t.update([1.0], 0.0)
+
+
+# --- defects found in review (each test failed on the code before the package was reshaped) ---
+
+
+def test_patience_counts_consecutive_wins_only():
+  # A decision in which migrating does not beat the hysteresis breaks the streak: the next win
+  # starts counting again (patience 2), so nothing moves at step 2.
+  c = controller("migrate", patience=2, hysteresis=0.05)
+  assert "wins 1/2" in c.decide(0, SLOW, expected_s=100.0, step_s=1.0).reason
+  # Expected 5 steps: 0.775 + 2 * 0.5 / 5 = 0.975, still the best but only 2.5% faster.
+  short = c.decide(1, SLOW, expected_s=5.0, step_s=1.0)
+  assert short.choice == "exact" and "2.5% < hysteresis" in short.reason
+  again = c.decide(2, SLOW, expected_s=100.0, step_s=1.0)
+  assert again.choice == "exact" and not again.moves and "wins 1/2" in again.reason
+  assert c.decide(3, SLOW, expected_s=100.0, step_s=1.0).moves
+
+
+def test_cost_model_of_the_contraction_mode():
+  # Contraction mode with compiled fractions (0.75, 1.0): keep 0.5 runs the 0.75 fraction of
+  # the owned width (4 units -> 3 units of work), where units mode would run width 2.
+  kw = dict(fixed_fraction=0.1)
+  widths, units = {"mlp": (2, 4, 6, 8), "heads": (1, 2)}, {"mlp": 8, "heads": 2}
+  flops = {"mlp": 1.0, "heads": 0.0}
+  contraction = cost_lib.CostModel(flops, widths, units, resize_mode="contraction",
+                                   fractions=(0.75, 1.0), **kw)
+  by_units = cost_lib.CostModel(flops, widths, units, **kw)
+  resized = ctl.Setup(OWNED, OWNED, (1.0, 0.5))
+  np.testing.assert_allclose(contraction.loads(resized), [0.5, 3 / 8])
+  np.testing.assert_allclose(by_units.loads(resized), [0.5, 2 / 8])
+  contraction.observe(ctl.Setup.of(OWNED), SLOW, 1.0)
+  assert contraction.compute_s(resized, SLOW) == pytest.approx(0.1 + 0.9 * (3 / 8) / 0.5)
+  # Only the GEMM part of a unit's FLOPs contracts (not the attention products): heads with 10
+  # FLOPs, 6 of them in GEMMs, at fraction 0.75: 6 * 0.75 + 4 = 8.5 per executed unit.
+  heads = cost_lib.CostModel({"mlp": 0.0, "heads": 10.0}, widths, units,
+                             resize_mode="contraction", fractions=(0.75, 1.0),
+                             gemm_flops={"mlp": 0.0, "heads": 6.0})
+  np.testing.assert_allclose(heads.loads(resized), [10 / 20, 8.5 / 20])
+
+
+def test_semi_with_the_contraction_mode_does_not_resize_when_it_gains_nothing():
+  # Fractions (0.5, 1.0) and keep ratios on a grid of 1/4 above 0.5: keep 0.75 still runs the
+  # whole contraction (fraction 1.0). The units-mode model predicted a gain here.
+  settings = settings_lib.BalanceSettings(policy="semi", keep_grid=4, resize_budget=0.25,
+                                          patience=1, resize_horizon_steps=1000)
+  cost = cost_lib.CostModel({"mlp": 1.0, "heads": 0.0}, {"mlp": (2, 4, 6, 8), "heads": (1, 2)},
+                            {"mlp": 8, "heads": 2}, fixed_fraction=0.1, resize_mode="contraction",
+                            fractions=(0.5, 1.0))
+  cost.observe(ctl.Setup.of(OWNED), SLOW, 1.0)
+  c = ctl.Controller(policies.make(settings), settings, cost, ctl.Setup.of(OWNED),
+                     {"mlp": 4, "heads": 1})
+  d = c.decide(0, SLOW, expected_s=1.0, step_s=1.0)
+  assert d.predicted_s["resize"] == pytest.approx(1.0 * 1.05)   # no faster, plus the penalty
+  assert d.choice == "exact"
+
+
+def test_tracker_confirms_per_device():
+  # Bursts that alternate between devices 0 and 1 deviate in every sample, but no device does
+  # twice in a row: no regime (confirm 2). A lasting slowdown of device 1 then confirms.
+  t = speed.SpeedTracker(3, confirm=2, threshold=0.2)
+  t.update([1.0, 1.0, 1.0], 0.0)
+  for i in range(1, 7):
+    slow = [1.0, 1.0, 1.0]
+    slow[i % 2] = 3.0
+    assert not t.update(slow, float(i))
+  np.testing.assert_allclose(t.speeds, [1.0, 1.0, 1.0])
+  assert not t.update([1.0, 2.0, 1.0], 7.0)
+  assert t.update([1.0, 2.0, 1.0], 8.0)
+  np.testing.assert_allclose(t.speeds, [1.0, 0.5, 1.0])
+  assert t.regime.start_s == 7.0

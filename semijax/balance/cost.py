@@ -1,0 +1,218 @@
+"""The cost model of a step: what each balancing option is predicted to cost, online.
+
+A *setup* says what every tensor device owns and computes in a step (`Setup`). `CostModel`
+predicts its step time at given relative speeds:
+
+  step(setup) = fixed + per_load * b * max_d(load_d / speed_d)      (compute, bucket-quantized)
+
+`load_d` is the share of the model's FLOPs that device d *executes*: its computed units of each
+kind rounded up to the compiled bucket width (that is what `core.tp` runs), weighted by FLOPs per
+unit (`core.spec.ModelSpec.flops_per_unit`). A resized device executes, in units mode, the bucket
+width of its kept units; in contraction mode its owned width with the GEMM part of each unit's
+FLOPs scaled by the compiled fraction >= its keep ratio (the attention products over the
+sequence are not contracted). `b` is 1 for an exact setup in which every device executes the
+same width (the single-width step, `core.plan.uniform_widths`), else 1 + `branch_overhead`
+(per-device branches rematerialize the forward pass). `fixed` and `per_load` are calibrated online
+from measured step times (`observe`); the move cost from a timed migration (`observe_move`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from semijax.core import resize as resize_lib
+
+# The branched step rematerializes the forward pass: a third of forward plus backward more.
+BRANCH_OVERHEAD = 1 / 3
+# A fitted line replaces the prior only with this many (faded) samples ...
+MIN_FIT_SAMPLES = 4
+# ... whose critical loads vary by at least this (relative std: a line through one x is noise) ...
+MIN_LOAD_SPREAD = 0.1
+# ... and only if it explains at least this share of the variance of the times (R^2).
+MIN_FIT_R2 = 0.5
+# Before the fit: a new step time moves per_load by at least this share of the time, so that a
+# prior `fixed` that is too large cannot make the load look free.
+MIN_LOAD_SHARE = 0.05
+# Bytes per second assumed for the per-step traffic of offload (weights out, gradients back):
+# an order of magnitude of host-memory copies between fake CPU devices and of NVLink-class links.
+OFFLOAD_BYTES_PER_S = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What each tensor device owns and computes in a step (host description).
+
+  Attributes:
+    owned: {kind: units owned per device} (a layout's counts).
+    computed: {kind: units computed per device}; differs from `owned` only with offload.
+    keep: resize keep ratio per device, or None (every computed unit is computed).
+  """
+
+  owned: dict
+  computed: dict
+  keep: tuple | None = None
+
+  @classmethod
+  def of(cls, owned: dict) -> "Setup":
+    owned = {k: tuple(int(c) for c in v) for k, v in owned.items()}
+    return cls(owned, owned, None)
+
+  def exact(self) -> "Setup":
+    """The same ownership, every owned unit computed by its owner."""
+    return Setup(self.owned, self.owned, None)
+
+  @property
+  def offloaded(self) -> bool:
+    return self.computed != self.owned
+
+  def describe(self) -> dict:
+    return {"owned": {k: list(v) for k, v in self.owned.items()},
+            "computed": {k: list(v) for k, v in self.computed.items()},
+            "keep": None if self.keep is None else [round(k, 4) for k in self.keep]}
+
+
+class CostModel:
+  """Predicts step seconds of a `Setup` at given speeds (see module doc).
+
+  Args:
+    unit_flops: {kind: FLOPs per unit} (any common scale).
+    widths: {kind: compiled bucket widths, ascending}; a device executes the smallest >= its count.
+    num_units: {kind: U}.
+    fixed_fraction: share of the first measured step that does not scale with load (collectives,
+      embeddings, the optimizer), until measurements say otherwise.
+    alpha: weight of a new measurement in `per_load_s` before the fit takes over.
+    memory: samples the fit remembers (older ones fade by 1 - 1/memory per sample).
+    move_s: seconds of one migration (calibrated by `observe_move`).
+    bytes_per_s: bandwidth for per-step offload traffic.
+    narrow: {kind: w}: an exact setup in which every device executes width w of every kind runs
+      the single-width step; any other setup runs the branched one.
+    branch_overhead: extra compute of the branched step per unit of load.
+    resize_mode: "units" or "contraction" (`core.resize.MODES`): how a keep ratio shrinks work.
+    fractions: the compiled keep fractions of the contraction mode.
+    gemm_flops: {kind: the part of `unit_flops` that the contraction mode scales}; default all.
+  """
+
+  def __init__(self, unit_flops: dict, widths: dict, num_units: dict, *,
+               fixed_fraction: float = 0.1, alpha: float = 0.3, memory: float = 10.0,
+               move_s: float = 0.0, bytes_per_s: float = OFFLOAD_BYTES_PER_S,
+               narrow: dict | None = None, branch_overhead: float = BRANCH_OVERHEAD,
+               resize_mode: str = "units",
+               fractions: tuple = resize_lib.DEFAULT_FRACTIONS, gemm_flops: dict | None = None):
+    if not 0 <= fixed_fraction < 1:
+      raise ValueError(f"balance.fixed_fraction: must be in [0, 1), got {fixed_fraction}")
+    if resize_mode not in resize_lib.MODES:
+      raise ValueError(f"resize.mode: {resize_mode!r} is not one of {list(resize_lib.MODES)}")
+    self.unit_flops = dict(unit_flops)
+    self.widths = {k: tuple(v) for k, v in widths.items()}
+    self.num_units = dict(num_units)
+    self.total = sum(self.unit_flops[k] * u for k, u in self.num_units.items())
+    self.fixed_fraction, self.alpha = fixed_fraction, alpha
+    self.forget = 1.0 - 1.0 / memory
+    self.fixed_s = None
+    self.per_load_s = None
+    self.move_s = move_s
+    self.bytes_per_s = bytes_per_s
+    self.narrow = dict(narrow or {})
+    self.branch_overhead = branch_overhead
+    self.resize_mode, self.fractions = resize_mode, tuple(fractions)
+    gemm = self.unit_flops if gemm_flops is None else gemm_flops
+    self.gemm_share = {k: (gemm.get(k, 0.0) / f if f else 1.0) for k, f in self.unit_flops.items()}
+    self._sums = np.zeros(5)   # faded sums of 1, x, y, x^2, xy (see observe)
+    self._sums_y2 = 0.0
+
+  def executed(self, kind: str, count: int) -> int:
+    """The bucket width a device with `count` computed units of `kind` executes."""
+    if count <= 0:
+      return 0
+    w = self.widths[kind]
+    return next((x for x in w if x >= count), w[-1])
+
+  def _own_work(self, kind: str, own: int, keep: float | None) -> float:
+    """Executed work of a device's own `own` units of `kind` (in units of full-unit work)."""
+    if keep is None or keep >= 1.0:
+      return self.executed(kind, own)
+    if self.resize_mode == "units":
+      return self.executed(kind, resize_lib.kept_count(keep, own))
+    frac = self.fractions[resize_lib.fraction_index(keep, self.fractions)]
+    share = self.gemm_share[kind]
+    return self.executed(kind, own) * (share * frac + 1.0 - share)
+
+  def loads(self, setup: Setup) -> np.ndarray:
+    """float [N]: share of all FLOPs each device executes (own units + units it helps with)."""
+    n = len(next(iter(setup.owned.values())))
+    out = np.zeros(n)
+    for kind, computed in setup.computed.items():
+      for d in range(n):
+        own = min(computed[d], setup.owned[kind][d])
+        keep = None if setup.keep is None else setup.keep[d]
+        helped = max(computed[d] - setup.owned[kind][d], 0)
+        out[d] += self.unit_flops[kind] * (self._own_work(kind, own, keep) + helped)
+    return out / self.total
+
+  def branched(self, setup: Setup) -> bool:
+    """Whether `setup` runs the branched (rematerializing) step while a single-width one exists
+    (without `narrow`, every setup runs the same kind of step: False)."""
+    if not self.narrow:
+      return False
+    if setup.keep is not None or setup.offloaded:
+      return True
+    return any(self.executed(k, c) != self.narrow.get(k)
+               for k, counts in setup.owned.items() for c in counts)
+
+  def critical(self, setup: Setup, speeds) -> float:
+    """max_d load_d / speed_d, times 1 + `branch_overhead` for the branched step."""
+    factor = 1 + self.branch_overhead if self.branched(setup) else 1.0
+    return factor * float(np.max(self.loads(setup) / np.asarray(speeds, np.float64)))
+
+  def offload_bytes(self, setup: Setup, unit_bytes: dict) -> float:
+    """Bytes sent per step for offloaded units: their weights out and gradients back."""
+    return float(sum(2 * unit_bytes.get(k, 0.0) * max(c - o, 0)
+                     for k in setup.owned for c, o in zip(setup.computed[k], setup.owned[k])))
+
+  @property
+  def calibrated(self) -> bool:
+    return self.per_load_s is not None
+
+  def compute_s(self, setup: Setup, speeds) -> float:
+    if not self.calibrated:
+      raise RuntimeError("CostModel: observe at least one step before predicting")
+    return self.fixed_s + self.per_load_s * self.critical(setup, speeds)
+
+  def observe(self, setup: Setup, speeds, measured_s: float) -> None:
+    """Calibrates from one measured step (without migration time) of `setup` at `speeds`.
+
+    A least-squares line through recent (critical load, seconds) points (older points fade by
+    `forget` per sample) gives `fixed_s` and `per_load_s` once there are `MIN_FIT_SAMPLES` of
+    them, the load has varied (`MIN_LOAD_SPREAD`) and the line explains the times
+    (`MIN_FIT_R2`); otherwise `fixed_s` stays (at first `fixed_fraction` of the first step) and
+    `per_load_s` follows the measurements.
+    """
+    x = self.critical(setup, speeds)
+    y = measured_s
+    if not (y > 0 and math.isfinite(y)) or x <= 0:
+      return
+    self._sums = self._sums * self.forget + np.array([1.0, x, y, x * x, x * y])
+    self._sums_y2 = self._sums_y2 * self.forget + y * y
+    n, sx, sy, sxx, sxy = self._sums
+    mx, my = sx / n, sy / n
+    var = sxx / n - mx * mx
+    vary = self._sums_y2 / n - my * my
+    if n >= MIN_FIT_SAMPLES and var > (MIN_LOAD_SPREAD * mx) ** 2 and vary > 0:
+      cov = sxy / n - mx * my
+      b = cov / var
+      a = my - b * mx
+      if b > 0 and 0 <= a < my and cov * cov / (var * vary) >= MIN_FIT_R2:
+        self.fixed_s, self.per_load_s = a, b
+        return
+    if self.fixed_s is None:
+      self.fixed_s = self.fixed_fraction * y
+      self.per_load_s = (y - self.fixed_s) / x
+      return
+    b = max(y - self.fixed_s, MIN_LOAD_SHARE * y) / x
+    self.per_load_s = (1 - self.alpha) * self.per_load_s + self.alpha * b
+
+  def observe_move(self, seconds: float) -> None:
+    self.move_s = seconds if self.move_s <= 0 else (1 - self.alpha) * self.move_s + self.alpha * seconds

@@ -1,0 +1,123 @@
+"""Speed sampling in a training loop: when to measure, from what, and the shared clock.
+
+Every `probe_every` steps (every step when the slowdown is emulated) `SpeedSampler.after_step`
+takes one sample: each process measures its devices (`speed.SchedShare` or `speed.Probe`), the
+numbers and the mean step time since the last sample are shared between processes
+(`speed.gather_times`), and the tracker (`speed.SpeedTracker`) updates the regime. The shared
+clock (the sum of shared mean step times) and the smoothed step time are identical on every
+process, so decisions taken from a sample are too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from semijax.balance import settings as settings_lib
+from semijax.balance import speed as speed_lib
+from semijax.core import emulation
+from semijax.core import mesh as mesh_lib
+
+# Weight of a new sample's mean step time in the smoothed step time that converts the expected
+# remaining seconds of a regime into steps: 0.3 follows a change within about three samples
+# while one noisy sample moves it by less than a third.
+STEP_TIME_ALPHA = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One shared speed sample.
+
+  Attributes:
+    times: float [N], relative time of the same work on each tensor device (slowest = largest).
+    mean_s: mean step seconds since the previous sample (the slowest process's).
+    clock_s: the shared clock after those steps.
+    probe_s: seconds this sample cost.
+    new_regime: whether the tracker confirmed a new regime with it.
+  """
+
+  times: np.ndarray
+  mean_s: float
+  clock_s: float
+  probe_s: float
+  new_regime: bool
+
+  @property
+  def speeds(self) -> np.ndarray:
+    """float [N]: relative speeds of this sample alone (fastest = 1)."""
+    return self.times.min() / self.times
+
+
+def resolve_measure(measure: str, hetero: emulation.Hetero) -> str:
+  """The speed source `measure` ("auto" resolved): emulated, sched or probe."""
+  if measure != "auto":
+    return measure
+  if hetero.slowdown is not None:
+    return "emulated"
+  return "sched" if speed_lib.SchedShare.available() else "probe"
+
+
+class SpeedSampler:
+  """Takes the shared speed samples of a run (see module doc).
+
+  Args:
+    settings: `BalanceSettings` (measure, probe_every, probe sizes, tracker knobs).
+    hetero: the emulated slowdown (the speed source when measuring "emulated").
+    mesh: the run's mesh (which device is which tensor position).
+  """
+
+  def __init__(self, settings: settings_lib.BalanceSettings, hetero: emulation.Hetero, mesh):
+    self.hetero, self.mesh = hetero, mesh
+    self.measure = resolve_measure(settings.measure, hetero)
+    self.every = 1 if self.measure == "emulated" else settings.probe_every
+    self.probe = None
+    if self.measure == "probe":
+      self.probe = speed_lib.Probe(settings.probe_size, settings.probe_repeats)
+    elif self.measure == "sched":
+      self.probe = speed_lib.SchedShare()
+    num_devices = mesh.shape[mesh_lib.TENSOR]
+    self.tracker = speed_lib.SpeedTracker(num_devices, alpha=settings.speed_alpha,
+                                          threshold=settings.change_threshold,
+                                          confirm=settings.confirm)
+    self.clock_s = 0.0
+    self.step_s = None          # the smoothed step time (STEP_TIME_ALPHA)
+    self.samples = 0
+    self.probe_s = 0.0
+    self._pending: list[float] = []
+
+  def warm_up(self) -> None:
+    """Compiles the probe (outside the hot path)."""
+    if self.probe is not None:
+      self.probe.warm_up()
+
+  def start(self) -> None:
+    """Ends warm-up: a barrier sample, so the first real one measures training steps only."""
+    if self.probe is not None:
+      speed_lib.gather_times(self.probe.measure(), 0.0)
+
+  def after_step(self, step: int, step_s: float) -> Sample | None:
+    """Takes the measured seconds of 0-based `step`; returns a sample when one is due."""
+    self._pending.append(step_s)
+    if step % self.every:
+      return None
+    t0 = time.perf_counter()
+    local = self.probe.measure() if self.probe is not None else {}
+    every, mean_s = speed_lib.gather_times(local, float(np.mean(self._pending)))
+    if self.probe is not None:
+      times = speed_lib.tensor_times(self.mesh, every)
+    else:
+      times = np.asarray(self.hetero.slowdown_at(step), np.float64)
+    probe_s = time.perf_counter() - t0
+    self.probe_s += probe_s
+    self.samples += self.probe is not None
+    self.clock_s += mean_s * len(self._pending)
+    self._pending = []
+    new_regime = self.tracker.update(times, self.clock_s)
+    self.step_s = mean_s if self.step_s is None else (
+        (1 - STEP_TIME_ALPHA) * self.step_s + STEP_TIME_ALPHA * mean_s)
+    return Sample(np.asarray(times, np.float64), mean_s, self.clock_s, probe_s, new_regime)
+
+  def expected_remaining_s(self) -> float:
+    return self.tracker.expected_remaining_s(self.clock_s)
