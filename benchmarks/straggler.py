@@ -26,7 +26,16 @@ import os
 import shutil
 import time
 
+import jax
 import numpy as np
+
+from benchmarks import report
+from semijax.balance import speed
+from semijax.core import layout as layout_lib
+from semijax.runtime import contention
+from semijax.runtime import distributed
+from semijax.train import config as config_lib
+from semijax.train import loop as train
 
 SCENARIOS = ("none", "steady", "bursts")
 EMULATED = ("static_profile", "rotating")
@@ -39,7 +48,6 @@ SAME_SPEED = 0.9     # oracle speeds all at least this (relative): the cores are
 def _bench_config(arg: str, steps: int, log_every: int, num_widths: int):
   """gpt_tiny (config argument `arg`) for benchmark runs: one evaluation at the end, no
   checkpoints but the last, `num_widths` compute widths in the dynamic policies' bucket."""
-  from semijax.train import config as config_lib
   c = config_lib.load(os.path.join(_root(), "configs", "gpt_tiny.py") + ":" + arg)
   c.steps = steps
   c.eval_every = steps
@@ -73,7 +81,6 @@ def policy_config(base, policy: str, oracle_speeds):
   """`base` for one policy; `static` gets the split proportional to `oracle_speeds` (the
   oracle; even when every speed is within `SAME_SPEED` of the fastest, as for two idle cores
   measured with noise), which compiles exactly its own widths."""
-  from semijax.core import layout as layout_lib
   c = copy.deepcopy(base)
   c.balance.policy = policy
   if oracle_speeds is not None and min(oracle_speeds) >= SAME_SPEED:
@@ -117,9 +124,6 @@ def measure_speeds(probe, core: int, pattern: str, seconds: float) -> tuple[np.n
   """(relative time of fixed work per device, device ids), measured over `seconds` of busy
   probing with the competitor `pattern` on `core` (started by process 0). With scheduler stats
   (Linux) the time is 1 / the CPU share each process got while busy; else the mean probe time."""
-  import jax
-  from semijax.balance import speed
-  from semijax.runtime import contention
   injector = contention.Injector(core, pattern) if jax.process_index() == 0 else None
   if injector is not None:
     injector.start()
@@ -143,11 +147,6 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
                     core: int = 1) -> None:
   """One process of the real-contention benchmark (see module doc); process 0 writes
   out/real_raw.json."""
-  import jax
-  from semijax.balance import speed
-  from semijax.runtime import contention
-  from semijax.runtime import distributed
-  from semijax.train import loop as train
   distributed.initialize()
   jax.config.update("jax_compilation_cache_dir", os.path.join(out, ".jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -197,7 +196,6 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
 
 def run_emulated(out: str, *, quick: bool, scenarios, policies) -> dict:
   """Runs the emulated scenarios in this process (needs 8 devices); writes out/emulated_raw.json."""
-  from semijax.train import loop as train
   cache: dict = {}
   runs, speeds = {}, {}
   for scenario in scenarios:
@@ -286,7 +284,6 @@ def markdown(results: dict, title: str) -> str:
 def plot(raw: dict, path: str, title: str) -> None:
   """Throughput over time per scenario (one line per policy), contention periods shaded.
   Skipped when matplotlib is not installed."""
-  from benchmarks import report
   plt = report.pyplot()
   if plt is None:
     return

@@ -115,8 +115,8 @@ def block_fn(engine, layout, plans, x):
 
 
 def bench_model(name, config, repeats):
-  parsed = config_lib.validate(config, jax.device_count())
-  engine = train.build_engine(config, parsed)
+  run = config_lib.validate(config, jax.device_count())
+  engine = train.build_engine(run)
   n = engine.tensor_size
   a = base_layout(config, n)
   state = engine.init(0, a)

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import blocks as blockbench  # noqa: E402
 from benchmarks import report  # noqa: E402
 from semijax.balance import priority as priority_lib  # noqa: E402
+from semijax.balance import resize as resize_spec_lib  # noqa: E402
 from semijax.core import layout as layout_lib  # noqa: E402
 from semijax.core import mesh as mesh_lib  # noqa: E402
 from semijax.core import plan as plan_lib  # noqa: E402
@@ -51,7 +52,7 @@ def main(argv):
   exact_ms = median_ms(plan_lib.make_plan(lay, mesh))
   results, rows = [], []
   for mode in resize_lib.MODES:
-    spec = resize_lib.ResizeSpec(keep=(1.0,), mode=mode).validate(1)
+    spec = resize_spec_lib.ResizeSpec(keep=(1.0,), mode=mode).validate(1)
     prio = priority_lib.Priority(
         spec, num_layers=1, d_model=_D.value, num_units={"mlp": _FF.value, "heads": _HEADS.value},
         unit_sizes={"mlp": 1, "heads": _D.value // _HEADS.value}, num_devices=1)

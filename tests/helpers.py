@@ -11,11 +11,13 @@ import numpy as np
 import optax
 
 import dense_reference as ref
+from semijax.balance import decisions
 from semijax.core import engine as engine_lib
 from semijax.core import layout as L
 from semijax.core import mesh as mesh_lib
 from semijax.models import gpt, vit
 from semijax.models import tasks
+from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 
 GPT_KW = dict(vocab_size=64, seq_len=8, d_model=32, num_heads=8, d_ff=48, num_layers=2)
@@ -156,3 +158,15 @@ def tiny_gpt(tensor=4, steps=6, **layout):
   for kind, counts in layout.items():
     c.layout[kind] = counts
   return c
+
+
+def record_closes(monkeypatch) -> list:
+  """Makes Checkpointer.close and DecisionLog.close append their class name to the returned
+  list (and still close)."""
+  closed = []
+  for cls in (checkpoint_lib.Checkpointer, decisions.DecisionLog):
+    def close(self, original=cls.close, name=cls.__name__):
+      closed.append(name)
+      original(self)
+    monkeypatch.setattr(cls, "close", close)
+  return closed

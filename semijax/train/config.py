@@ -1,19 +1,14 @@
-"""Configuration: the shared defaults every config file extends, argument parsing, validation.
+"""Configuration: the shared defaults every config file extends, and the typed run config.
 
-Config files in `configs/` start from `base_config()` and define `get_config(arg)`. The field
-names below are a public contract (scripts rely on them):
-
-  config.mesh.data, config.mesh.tensor         devices per mesh axis
-  config.layout.mlp, config.layout.heads       "even", or one owned-unit count per tensor device
-                                               (a tuple, or a string like "30,30,8,30")
-  config.layout.num_widths                     compiled compute widths per unit kind
-  config.hetero.slowdown                       one factor per tensor device (4.0 = four times
-                                               slower, emulated), or () for none
-  config.hetero.device_gflops                  emulated speed of a nominal device
-  config.steps, config.seed, config.batch_size (global), config.eval_every, config.model.*
-
-`validate(config)` refuses bad input before anything is compiled or loaded, with a
-`ConfigError` whose message starts with the field name ("config.hetero.slowdown: ...").
+Config files in `configs/` start from `base_config()` and define `get_config(arg)`; `load` reads
+one like `--config` does. The entry point hands the ConfigDict to `validate`, which checks it
+whole before anything is compiled or loaded and turns it into a frozen `RunConfig`: the one
+boundary where the raw ConfigDict is read. Below it, every layer gets its own typed part
+(`core.mesh.MeshSpec`, `core.layout.Layout`, `core.spec.ModelSpec`, `core.emulation.Hetero`,
+`balance.resize.ResizeSpec`, `balance.settings.BalanceSettings`, `train.optimizer.OptimizerSpec`,
+`train.data.DataSpec`). Every error is a `ConfigError` whose message starts with the field
+("config.hetero.slowdown: ..."), says what is wrong and what is allowed. The README lists every
+public field.
 """
 
 from __future__ import annotations
@@ -21,21 +16,24 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
-import math
+import numbers
 import os
 
-import jax
 import ml_collections
-import optax
 
-from semijax import errors
 from semijax import models
-from semijax.balance import controller as controller_lib
+from semijax.balance import policies as policies_lib
+from semijax.balance import resize as resize_spec_lib
+from semijax.balance import settings as settings_lib
+from semijax.core import emulation
 from semijax.core import layout as layout_lib
+from semijax.core import mesh as mesh_lib
 from semijax.core import resize as resize_lib
-
-
-ConfigError = errors.ConfigError
+from semijax.core import spec as spec_lib
+from semijax.errors import ConfigError
+from semijax.errors import LayoutError
+from semijax.train import data as data_lib
+from semijax.train import optimizer as optimizer_lib
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -66,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.hetero.rotate_every = 0        # Steps between shifts of the slowdown profile by one device
                                    # ((8,1,...,1) rotating = the authors' dynamic straggler); 0 = static.
 
-  # Balancing (semijax.balance, semijax.controller): who does how much work, online.
+  # Balancing (semijax.balance; BalanceSettings documents every field): who computes how much.
   c.balance = ml_collections.ConfigDict()
   c.balance.policy = "static"      # even | static | resize | migrate | offload | semi
   # Speeds from: "emulated" (the hetero.slowdown profile), "sched" (Linux scheduler stats: the
@@ -78,7 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.probe_every = 4        # steps between speed samples (and decisions)
   c.balance.probe_size = 128       # probe: [size, size] matmuls ...
   c.balance.probe_repeats = 4      # ... this many in a row
-  c.balance.alpha = 0.3            # smoothing weight of a new measurement
+  c.balance.speed_alpha = 0.3      # weight of a new speed sample in a regime's smoothed speeds
   c.balance.change_threshold = 0.2 # a speed change by this factor is a candidate new regime ...
   c.balance.confirm = 2            # ... once it lasts this many samples (shorter: a burst)
   c.balance.hysteresis = 0.05      # a change must be predicted this much faster ...
@@ -89,9 +87,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.resize_keep = 0.5      # resize policy: keep ratio of a slow device (the authors')
   c.balance.resize_penalty = 0.05  # accuracy cost of resizing, as a share of step time
   c.balance.resize_horizon_steps = 8  # semi resizes only slowdowns expected to end within this
+  c.balance.keep_grid = 8          # semi picks keep ratios on a grid of 1/keep_grid
   c.balance.fixed_fraction = 0.1   # cost model prior: share of a step that no split changes
+  c.balance.cost_alpha = 0.3       # cost model: weight of a new step time before the fit holds
+  c.balance.cost_memory = 10.0     # cost model: samples its fit remembers (older ones fade)
 
-  # ZERO-resizing (semijax.resize): who computes only part of its units, and how.
+  # ZERO-resizing (semijax.balance.resize, semijax.core.resize): who skips part of its units, how.
   c.resize = ml_collections.ConfigDict()
   c.resize.keep = ()               # One keep ratio in (0, 1] per tensor device; () = none.
   # "rotate" (the straggler is device epoch mod N), device indices like (3,) or "3,5"; "" = none.
@@ -114,9 +115,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.b2 = 0.95
   c.optimizer.grad_clip = 1.0      # Global gradient-norm clip; 0 = none.
 
-  c.model = ml_collections.ConfigDict()   # name + the fields of models.FIELDS[name]
+  c.model = ml_collections.ConfigDict()   # name + the fields of models.REGISTRY[name].FIELDS
   c.data = ml_collections.ConfigDict()
-  c.data.name = ""                 # gpt: "pydoc" | "text_file"; vit: "digits" | "npy".
+  c.data.name = ""                 # gpt: see data.TEXT_DATA; vit: "digits" | "npy".
   c.data.path = ""                 # text_file: a UTF-8 or binary file of training text.
   c.data.images = ""               # npy: images [N, H, W(, C)].
   c.data.labels = ""               # npy: int labels [N].
@@ -134,12 +135,16 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   for item in filter(None, (arg or "").split(",")):
     key, _, value = item.partition("=")
     if key not in defaults:
-      raise ConfigError(f"config argument: unknown option {key!r}; known: {sorted(defaults)}")
+      raise ConfigError(f"config argument: unknown option {key!r}; known options: "
+                        f"{sorted(defaults)}")
     kind = type(defaults[key])
     if kind is bool:
       out[key] = value.lower() not in ("0", "false", "no") if value else True
-    else:
+      continue
+    try:
       out[key] = kind(value)
+    except ValueError:
+      raise ConfigError(f"config argument: option {key}={value!r} is not a {kind.__name__}") from None
   return out
 
 
@@ -156,14 +161,34 @@ def load(spec: str) -> ml_collections.ConfigDict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Parsed:
-  """What `validate` derives from a config."""
+class RunConfig:
+  """A validated run: every part typed, nothing read from the ConfigDict after `validate`.
 
+  Attributes:
+    seed, steps, batch_size (global), eval_every, log_every, checkpoint_every (0 = at the end
+      only), keep_checkpoints: the training schedule.
+    mesh: devices per mesh axis. model: the model's spec. layout: the configured layout.
+    hetero: emulated heterogeneity. resize: whom (a fixed schedule) and how to resize.
+    balance: the balancing policy and its knobs. optimizer, data: their settings.
+    source: the config as a plain dict (what workdir/config.json records).
+  """
+
+  seed: int
+  steps: int
+  batch_size: int
+  eval_every: int
+  log_every: int
+  checkpoint_every: int
+  keep_checkpoints: int
+  mesh: mesh_lib.MeshSpec
+  model: spec_lib.ModelSpec
   layout: layout_lib.Layout
-  slowdown: tuple[float, ...] | None
-  resize: resize_lib.ResizeSpec | None = None   # None: no resizing schedule configured
-  resize_how: resize_lib.ResizeSpec = resize_lib.ResizeSpec()   # mode, priority, ... for any resizing
-  balance: controller_lib.Settings = controller_lib.Settings(policy="static")
+  hetero: emulation.Hetero
+  resize: resize_spec_lib.ResizeSpec
+  balance: settings_lib.BalanceSettings
+  optimizer: optimizer_lib.OptimizerSpec
+  data: data_lib.DataSpec
+  source: dict = dataclasses.field(compare=False, repr=False)
 
 
 def _check_keys(node, schema: dict, prefix: str) -> None:
@@ -175,39 +200,72 @@ def _check_keys(node, schema: dict, prefix: str) -> None:
       _check_keys(node[key], schema[key], f"{prefix}.{key}")
 
 
-def _schema(model_name: str) -> dict:
-  schema = base_config().to_dict()
-  schema["model"] = {k: None for k in ("name",) + models.FIELDS[model_name]}
-  return schema
+def _int(value, field: str, minimum: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    raise ConfigError(f"config.{field}: must be an integer >= {minimum}, got {value!r}")
+  return int(value)
 
 
-def _positive_int(config, path: str, minimum: int = 1) -> int:
-  node = config
-  for part in path.split("."):
-    node = node[part]
-  if isinstance(node, bool) or not isinstance(node, int) or node < minimum:
-    raise ConfigError(f"config.{path}: must be an integer >= {minimum}, got {node!r}")
-  return node
+def _text_items(value) -> list[str] | None:
+  """The comma-separated items of a string (or a 1-tuple holding one, as --config.x='(1,2)'
+  gives for a tuple field), else None."""
+  if isinstance(value, (tuple, list)) and len(value) == 1 and isinstance(value[0], str):
+    value = value[0]
+  if not isinstance(value, str):
+    return None
+  return [v for v in value.strip().strip("()[]").replace(" ", "").split(",") if v]
 
 
 def parse_counts(value, field: str):
   """"even", a sequence of ints, or a string "3,5,8" / "(3, 5, 8)" -> "even" or a tuple."""
-  if isinstance(value, str):
-    text = value.strip().strip("()[]").replace(" ", "")
-    if text == "even":
-      return "even"
-    try:
-      return tuple(int(v) for v in text.split(",") if v)
-    except ValueError:
-      raise ConfigError(f"{field}: {value!r} is not 'even' or a list of unit counts") from None
+  if isinstance(value, str) and value.strip() == "even":
+    return "even"
+  items = _text_items(value)
   try:
+    if items is not None:
+      return tuple(int(v) for v in items)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+      return (int(value),)
     return tuple(int(v) for v in value)
   except (TypeError, ValueError):
-    raise ConfigError(f"{field}: {value!r} is not 'even' or a list of unit counts") from None
+    raise ConfigError(f"{field}: {value!r} is not 'even' or a list of unit counts, one per "
+                      "tensor device") from None
 
 
-def validate(config, num_devices: int | None = None, process_count: int = 1) -> Parsed:
-  """Checks a whole config before anything is compiled; returns the derived layout and slowdown.
+def parse_numbers(value, field: str) -> tuple[float, ...]:
+  """A sequence of numbers, or a string "1,4,1" / "(1, 4, 1)", as a tuple of floats."""
+  items = _text_items(value)
+  if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    items = [value]
+  try:
+    values = items if items is not None else list(value)
+    out = []
+    for v in values:
+      if isinstance(v, bool) or isinstance(v, str) and items is None:
+        raise ValueError
+      out.append(float(v))
+    return tuple(out)
+  except (TypeError, ValueError):
+    raise ConfigError(f"{field}: {value!r} is not a list of numbers") from None
+
+
+def parse_devices(value, field: str = "config.resize.straggler"):
+  """"rotate", "" or device indices: a tuple, one index, or a string "3,5" / "(3,)"."""
+  if isinstance(value, str) and value.strip() in ("", "rotate"):
+    return value.strip()
+  items = _text_items(value)
+  try:
+    if items is not None:
+      return tuple(int(v) for v in items)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+      return (int(value),)
+    return tuple(value)
+  except (TypeError, ValueError):
+    raise ConfigError(f"{field}: {value!r} is not 'rotate' or device indices") from None
+
+
+def validate(config, num_devices: int | None = None, process_count: int = 1) -> RunConfig:
+  """Checks a whole config before anything is compiled or loaded; returns the typed run.
 
   Args:
     config: a ConfigDict built on `base_config()`.
@@ -215,148 +273,77 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
     process_count: processes sharing the global batch.
 
   Raises:
-    ConfigError: naming the first bad field.
+    ConfigError: naming the first bad field, what is wrong and what is allowed.
   """
-  name = config.get("model", {}).get("name")
-  if name not in models.FIELDS:
-    raise ConfigError(f"config.model.name: {name!r} is not one of {sorted(models.FIELDS)}")
-  _check_keys(config, _schema(name), "config")
-  for field in models.FIELDS[name]:
-    if field not in config.model:
-      raise ConfigError(f"config.model.{field}: missing (required for model {name!r})")
-    _positive_int(config, f"model.{field}")
-  for field in ("steps", "batch_size", "eval_every", "log_every", "keep_checkpoints",
-                "mesh.data", "mesh.tensor", "layout.num_widths"):
-    _positive_int(config, field)
-  _positive_int(config, "checkpoint_every", minimum=0)
-  data, tensor = config.mesh.data, config.mesh.tensor
-  if num_devices is not None and data * tensor > num_devices:
-    raise ConfigError(f"config.mesh: data * tensor = {data} * {tensor} devices, but only "
-                      f"{num_devices} are available")
-  if config.batch_size % (data * process_count):
+  model_cfg = config.get("model", {})
+  name = model_cfg.get("name")
+  model_cls = models.model_class(name)
+  schema = base_config().to_dict()
+  schema["model"] = {k: None for k in ("name",) + model_cls.FIELDS}
+  _check_keys(config, schema, "config")
+  spec = models.spec(name, {k: v for k, v in model_cfg.items() if k != "name"})
+  for field in ("steps", "batch_size", "eval_every", "log_every", "keep_checkpoints"):
+    _int(config[field], field)
+  _int(config.seed, "seed", 0)
+  _int(config.checkpoint_every, "checkpoint_every", 0)
+  mesh = mesh_lib.MeshSpec(_int(config.mesh.data, "mesh.data"),
+                           _int(config.mesh.tensor, "mesh.tensor"))
+  if num_devices is not None and mesh.size > num_devices:
+    raise ConfigError(f"config.mesh: data * tensor = {mesh.data} * {mesh.tensor} devices, but "
+                      f"only {num_devices} are available")
+  if config.batch_size % (mesh.data * process_count):
     raise ConfigError(f"config.batch_size: {config.batch_size} is not divisible by mesh.data "
-                      f"* processes = {data} * {process_count}")
-  m = config.model
+                      f"* processes = {mesh.data} * {process_count}")
   try:
     layout = layout_lib.Layout.for_model(
-        d_model=m.d_model, num_heads=m.num_heads, d_ff=m.d_ff, num_devices=tensor,
+        d_model=spec.d_model, num_heads=spec.num_heads, d_ff=spec.d_ff, num_devices=mesh.tensor,
         mlp=parse_counts(config.layout.mlp, "config.layout.mlp"),
         heads=parse_counts(config.layout.heads, "config.layout.heads"),
-        num_widths=config.layout.num_widths)
-  except layout_lib.LayoutError as e:
+        num_widths=_int(config.layout.num_widths, "layout.num_widths"))
+  except LayoutError as e:
     raise ConfigError(f"config.{e}") from None
-  slowdown = tuple(config.hetero.slowdown) or None
-  if slowdown is not None:
-    if len(slowdown) != tensor:
-      raise ConfigError(f"config.hetero.slowdown: {len(slowdown)} factors {slowdown} for "
-                        f"mesh.tensor = {tensor} devices")
-    if not all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in slowdown):
-      raise ConfigError(f"config.hetero.slowdown: factors must be positive numbers, got {slowdown}")
-  if not config.hetero.device_gflops > 0:
-    raise ConfigError(f"config.hetero.device_gflops: must be positive, got "
-                      f"{config.hetero.device_gflops}")
+  slowdown = parse_numbers(config.hetero.slowdown, "config.hetero.slowdown") or None
+  hetero = emulation.Hetero(slowdown, config.hetero.device_gflops,
+                            config.hetero.rotate_every).validate(mesh.tensor)
+  resize = _resize(config.resize, mesh.tensor)
+  balance = _balance(config, hetero, resize)
   o = config.optimizer
-  if not (o.learning_rate > 0 and math.isfinite(o.learning_rate)):
-    raise ConfigError(f"config.optimizer.learning_rate: must be positive, got {o.learning_rate}")
-  if not 0 < config.data.val_fraction < 1:
-    raise ConfigError(f"config.data.val_fraction: must be in (0, 1), got "
-                      f"{config.data.val_fraction}")
-  if not (isinstance(config.hetero.rotate_every, int) and config.hetero.rotate_every >= 0):
-    raise ConfigError(f"config.hetero.rotate_every: must be an integer >= 0, got "
-                      f"{config.hetero.rotate_every!r}")
-  resize = parse_resize(config.resize, tensor)
-  resize_how = _resize_spec(config.resize)
-  balance = parse_balance(config, slowdown, resize)
-  return Parsed(layout, slowdown, resize, resize_how, balance)
+  optimizer = optimizer_lib.OptimizerSpec(o.learning_rate, o.warmup_steps, o.weight_decay, o.b1,
+                                          o.b2, o.grad_clip).validate()
+  data = data_lib.DataSpec.from_config(config)
+  return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
+                   config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
+                   spec, layout, hetero, resize, balance, optimizer, data, config.to_dict())
 
 
-def parse_balance(config, slowdown, resize) -> controller_lib.Settings:
-  """`config.balance` -> validated controller `Settings` (ConfigError naming the field)."""
-  b = config.balance
-  settings = controller_lib.Settings(
-      policy=b.policy, hysteresis=b.hysteresis, patience=b.patience,
-      min_dwell_steps=b.min_dwell_steps, slow_threshold=b.slow_threshold,
-      resize_budget=b.resize_budget, resize_keep=b.resize_keep, resize_penalty=b.resize_penalty,
-      resize_horizon_steps=b.resize_horizon_steps)
-  try:
-    settings.validate()
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-  if b.measure not in ("auto", "sched", "probe", "emulated"):
-    raise ConfigError(f"config.balance.measure: {b.measure!r} is not 'auto', 'sched', 'probe' "
-                      "or 'emulated'")
-  if b.measure == "emulated" and slowdown is None:
+def _resize(r, num_devices: int) -> resize_spec_lib.ResizeSpec:
+  """`config.resize` -> a validated ResizeSpec (scheduled or not)."""
+  keep = parse_numbers(r.keep, "config.resize.keep")
+  return resize_spec_lib.ResizeSpec(
+      keep=keep, straggler=parse_devices(r.straggler), straggler_keep=r.straggler_keep,
+      mode=r.mode, imputation=r.imputation, priority=r.priority, freeze=bool(r.freeze),
+      fill_value=r.fill_value, epoch_steps=r.epoch_steps, refresh_every=r.refresh_every,
+      fractions=parse_numbers(r.fractions, "config.resize.fractions")).validate(num_devices)
+
+
+def _balance(config, hetero: emulation.Hetero,
+             resize: resize_spec_lib.ResizeSpec) -> settings_lib.BalanceSettings:
+  """`config.balance` -> validated `BalanceSettings`, and the combinations it cannot run."""
+  known = {f.name for f in dataclasses.fields(settings_lib.BalanceSettings)}
+  settings = settings_lib.BalanceSettings(**{k: v for k, v in config.balance.items()
+                                             if k in known}).validate(policies_lib.REGISTRY)
+  if settings.measure == "emulated" and hetero.slowdown is None:
     raise ConfigError("config.balance.measure: 'emulated' needs config.hetero.slowdown")
-  if not b.capacity_factor >= 1:
-    raise ConfigError(f"config.balance.capacity_factor: must be >= 1, got {b.capacity_factor!r}")
-  for name in ("probe_every", "probe_size", "probe_repeats", "confirm"):
-    _positive_int(config, f"balance.{name}")
-  _positive_int(config, "balance.num_widths", minimum=0)
-  for name in ("alpha", "change_threshold"):
-    if not 0 < b[name] <= 1:
-      raise ConfigError(f"config.balance.{name}: must be in (0, 1], got {b[name]!r}")
-  if not 0 <= b.fixed_fraction < 1:
-    raise ConfigError(f"config.balance.fixed_fraction: must be in [0, 1), got "
-                      f"{b.fixed_fraction!r}")
-  if b.policy == "even":
+  if settings.policy == "even":
     for kind in ("mlp", "heads"):
       if parse_counts(config.layout[kind], f"config.layout.{kind}") != "even":
         raise ConfigError(f"config.layout.{kind}: balance.policy 'even' runs the even split; "
                           f"got {config.layout[kind]!r} (use policy 'static' for a fixed split)")
-  if resize is not None and b.policy != "static":
+  if resize.scheduled and settings.policy != "static":
     raise ConfigError(f"config.resize.keep / config.resize.straggler: a fixed resize schedule "
-                      f"runs with balance.policy 'static' only, not {b.policy!r} (the "
+                      f"runs with balance.policy 'static' only, not {settings.policy!r} (the "
                       "controller decides who is resized)")
   return settings
-
-
-def _resize_spec(r) -> resize_lib.ResizeSpec:
-  """How to resize (mode, imputation, priority, ...), whoever decides whom."""
-  spec = resize_lib.ResizeSpec(
-      mode=r.mode, imputation=r.imputation, priority=r.priority, freeze=bool(r.freeze),
-      fill_value=r.fill_value, epoch_steps=r.epoch_steps, refresh_every=r.refresh_every,
-      fractions=tuple(r.fractions))
-  try:
-    return spec.validate(1)
-  except resize_lib.ResizeError as e:
-    raise ConfigError(str(e)) from None
-
-
-def _parse_devices(value):
-  """"rotate", "" or device indices (a tuple, or a string "3,5" / "(3,)")."""
-  if isinstance(value, str):
-    text = value.strip()
-    if text in ("", "rotate"):
-      return text
-    try:
-      return tuple(int(v) for v in text.strip("()[]").replace(" ", "").split(",") if v)
-    except ValueError:
-      raise ConfigError(f"config.resize.straggler: {value!r} is not 'rotate' or device "
-                        "indices") from None
-  try:
-    return tuple(value)
-  except TypeError:
-    raise ConfigError(f"config.resize.straggler: {value!r} is not 'rotate' or device "
-                      "indices") from None
-
-
-def parse_resize(r, num_devices: int) -> resize_lib.ResizeSpec | None:
-  """`config.resize` -> a validated ResizeSpec, or None when nobody is resized."""
-  try:
-    keep = tuple(r.keep) if not isinstance(r.keep, str) else tuple(
-        float(v) for v in r.keep.strip("()[]").split(",") if v.strip())
-  except (TypeError, ValueError):
-    raise ConfigError(f"config.resize.keep: {r.keep!r} is not a tuple of keep ratios") from None
-  spec = resize_lib.ResizeSpec(
-      keep=keep, straggler=_parse_devices(r.straggler), straggler_keep=r.straggler_keep,
-      mode=r.mode, imputation=r.imputation, priority=r.priority, freeze=bool(r.freeze),
-      fill_value=r.fill_value, epoch_steps=r.epoch_steps, refresh_every=r.refresh_every,
-      fractions=tuple(r.fractions))
-  try:
-    spec.validate(num_devices)
-  except resize_lib.ResizeError as e:
-    raise ConfigError(str(e)) from None
-  return spec if spec.enabled else None
 
 
 def speed_proportional(config, slowdown) -> ml_collections.ConfigDict:
@@ -367,21 +354,3 @@ def speed_proportional(config, slowdown) -> ml_collections.ConfigDict:
     out.layout.mlp = layout_lib.proportional_counts(config.model.d_ff, speeds)
     out.layout.heads = layout_lib.proportional_counts(config.model.num_heads, speeds)
   return out
-
-
-def optimizer(config) -> optax.GradientTransformation:
-  """AdamW with linear warmup and cosine decay; weight decay on matrices only; optional clip."""
-  o = config.optimizer
-  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
-  tx = optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2,
-                   weight_decay=o.weight_decay, mask=decay_mask)
-  if o.grad_clip > 0:
-    tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), tx)
-  return tx
-
-
-def learning_rate_schedule(config) -> optax.Schedule:
-  o = config.optimizer
-  warmup = min(o.warmup_steps, config.steps - 1)
-  return optax.warmup_cosine_decay_schedule(0.0, o.learning_rate, warmup, config.steps,
-                                            o.learning_rate * 0.1)

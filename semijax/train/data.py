@@ -14,12 +14,13 @@ re-sharded run sees exactly the same data. `batch_size` is always the GLOBAL bat
 (local = batch_size / process_count), so the processes' rows concatenated are the global batch.
 Evaluation batches are fixed: the same on every call and for every seed.
 
-`build(config)` makes the dataset a config asks for. Every check raises `ConfigError` with a
+`build(spec)` makes the dataset a `DataSpec` describes. Every check raises `ConfigError` with a
 message that starts with the config field it is about, e.g. "config.data.path: no such file: ...".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -395,6 +396,52 @@ class ImageDataset:
 # --- from a config --------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  """What a run's data set is (`config.data` with the model fields and batch it depends on).
+
+  Attributes:
+    model: "gpt" (text) or "vit" (images): which data sets apply (`MODELS`).
+    name: the data set (`TEXT_DATA` or `IMAGE_DATA`).
+    batch_size: the GLOBAL batch; seed: data order.
+    val_fraction: held-out share for validation.
+    path: "text_file": the file. images, labels: "npy": the two arrays.
+    eval_batches: text: validation batches per evaluation.
+    seq_len: text: tokens per example. image_size, channels, num_classes: images: what the model
+      expects (the data must match).
+  """
+
+  model: str
+  name: str
+  batch_size: int
+  seed: int
+  val_fraction: float = 0.1
+  path: str = ""
+  images: str = ""
+  labels: str = ""
+  eval_batches: int = 4
+  seq_len: int = 0
+  image_size: int = 0
+  channels: int = 0
+  num_classes: int = 0
+
+  @classmethod
+  def from_config(cls, config) -> "DataSpec":
+    """Reads `config.data`, the model's data-related fields, `batch_size` and `seed` of a
+    ConfigDict (at the config boundary); checks the name and the held-out fraction."""
+    model = config.model.name
+    if model not in MODELS:
+      raise ConfigError(f"config.model.name: {model!r} is not one of {tuple(MODELS)}")
+    d, m = config.data, config.model
+    _check_name(model, d.name)
+    get = lambda node, key, default: node[key] if key in node else default
+    return cls(model, d.name, config.batch_size, config.seed, _check_fraction(d.val_fraction),
+               path=get(d, "path", ""), images=get(d, "images", ""), labels=get(d, "labels", ""),
+               eval_batches=get(d, "eval_batches", 4), seq_len=get(m, "seq_len", 0),
+               image_size=get(m, "image_size", 0), channels=get(m, "channels", 0),
+               num_classes=get(m, "num_classes", 0))
+
+
 def _check_name(model: str, name: str) -> None:
   valid = MODELS[model]
   if name not in valid:
@@ -402,23 +449,20 @@ def _check_name(model: str, name: str) -> None:
                       f"(the datasets for model {model!r})")
 
 
-def _build_text(config, process_index: int, process_count: int) -> TextDataset:
-  name = config.data.name
-  _check_name("gpt", name)
+def _build_text(spec: DataSpec, process_index: int, process_count: int) -> TextDataset:
   sources = {"pydoc": pydoc_corpus, "stdlib": stdlib_corpus,
-             "text_file": lambda: read_text_file(config.data.path)}
-  data = sources[name]()
-  return TextDataset(data, seq_len=config.model.seq_len, batch_size=config.batch_size,
-                     seed=config.seed, val_fraction=config.data.val_fraction,
-                     eval_batches=config.data.eval_batches,
+             "text_file": lambda: read_text_file(spec.path)}
+  data = sources[spec.name]()
+  return TextDataset(data, seq_len=spec.seq_len, batch_size=spec.batch_size, seed=spec.seed,
+                     val_fraction=spec.val_fraction, eval_batches=spec.eval_batches,
                      process_index=process_index, process_count=process_count)
 
 
-def _check_images_match_model(images: np.ndarray, labels: np.ndarray, model) -> None:
-  """Refuses images [N, H, W, C] / labels [N] that do not fit config.model."""
-  size = _check_int(model.image_size, "config.model.image_size", 1)
-  channels = _check_int(model.channels, "config.model.channels", 1)
-  num_classes = _check_int(model.num_classes, "config.model.num_classes", 1)
+def _check_images_match_model(images: np.ndarray, labels: np.ndarray, spec: DataSpec) -> None:
+  """Refuses images [N, H, W, C] / labels [N] that do not fit the model."""
+  size = _check_int(spec.image_size, "config.model.image_size", 1)
+  channels = _check_int(spec.channels, "config.model.channels", 1)
+  num_classes = _check_int(spec.num_classes, "config.model.num_classes", 1)
   _, h, w, c = images.shape
   if h != size or w != size:
     raise ConfigError(f"config.model.image_size: the images are {h}x{w}, but "
@@ -432,38 +476,29 @@ def _check_images_match_model(images: np.ndarray, labels: np.ndarray, model) -> 
                       f"[0, {num_classes})")
 
 
-def _build_images(config, process_index: int, process_count: int) -> ImageDataset:
-  name = config.data.name
-  _check_name("vit", name)
-  if name == "digits":
+def _build_images(spec: DataSpec, process_index: int, process_count: int) -> ImageDataset:
+  if spec.name == "digits":
     images, labels = digits()
   else:
-    images, labels = load_npy_images(config.data.images, config.data.labels)
-  _check_images_match_model(images, labels, config.model)
-  return ImageDataset(images, labels, batch_size=config.batch_size, seed=config.seed,
-                      val_fraction=config.data.val_fraction,
+    images, labels = load_npy_images(spec.images, spec.labels)
+  _check_images_match_model(images, labels, spec)
+  return ImageDataset(images, labels, batch_size=spec.batch_size, seed=spec.seed,
+                      val_fraction=spec.val_fraction,
                       process_index=process_index, process_count=process_count)
 
 
-def build(config, process_index: int = 0, process_count: int = 1):
-  """The dataset `config` asks for: a TextDataset for model "gpt", an ImageDataset for "vit".
+def build(spec: DataSpec, process_index: int = 0, process_count: int = 1):
+  """The dataset `spec` describes: a TextDataset for model "gpt", an ImageDataset for "vit".
 
   Args:
-    config: an ml_collections.ConfigDict with model.name, data.name, data.val_fraction,
-      batch_size and seed, plus model.seq_len, data.eval_batches and data.path ("text_file")
-      for gpt, or model.image_size, model.channels, model.num_classes and data.images /
-      data.labels ("npy") for vit.
+    spec: the run's `DataSpec` (`config.validate` builds it; `DataSpec.from_config` too).
     process_index: this process, in [0, process_count).
-    process_count: the processes sharing each global batch (must divide config.batch_size).
+    process_count: the processes sharing each global batch (must divide the batch size).
 
   Returns:
     The dataset, with this process's rows of every batch.
   """
-  model = config.model.name
-  if model not in MODELS:
-    raise ConfigError(f"config.model.name: {model!r} is not one of {tuple(MODELS)}")
-  _check_fraction(config.data.val_fraction)
-  _local_rows(config.batch_size, process_index, process_count)
-  if model == "gpt":
-    return _build_text(config, process_index, process_count)
-  return _build_images(config, process_index, process_count)
+  _local_rows(spec.batch_size, process_index, process_count)
+  if spec.model == "gpt":
+    return _build_text(spec, process_index, process_count)
+  return _build_images(spec, process_index, process_count)

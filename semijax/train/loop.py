@@ -1,19 +1,23 @@
 """`train_and_evaluate(config, workdir)`: the training loop behind experiments/train.py.
 
 Order of work, so that bad input never costs a compile or a saved checkpoint:
-  1. validate the whole config and build the data set (file errors surface here);
-  2. build the mesh, model, optimizer and engine; restore the latest checkpoint from
-     workdir/checkpoints if there is one (onto the *configured* layout, which may differ from the
-     one it was saved with), else initialize from the seed;
-  3. compile the train and eval steps ahead of time, then train.
+  1. validate the whole config into a typed `config.RunConfig` and build the data set (file
+     errors surface here);
+  2. build the mesh, model, optimizer, engine and balancer; restore the latest checkpoint from
+     workdir/checkpoints if there is one (onto the layout this run starts in, which may differ
+     from the one it was saved with), else initialize from the seed;
+  3. compile (and exercise) every step variant the balancing policy may use, then train.
 
 Resume order: the workdir's own latest checkpoint always wins; otherwise start from scratch.
-Metrics go to workdir/metrics.jsonl and TensorBoard files (process 0 only).
+Metrics go to workdir/metrics.jsonl and TensorBoard files (process 0 only). The console (process
+0) shows where the run starts, the warm-up, every balancing change, progress lines and a final
+summary; library chatter goes to the absl log. The checkpoint manager, the metric writer and the
+decision log are closed on every path out, a NaN loss and an exception included.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
 import time
@@ -21,51 +25,70 @@ from typing import Callable
 
 import jax
 import numpy as np
-from absl import logging
 
 from semijax import models
-from semijax.balance import coordinator as balance_lib
-from semijax.core import emulation as hetero
+from semijax.balance import coordinator as coordinator_lib
+from semijax.core import emulation
 from semijax.core import engine as engine_lib
 from semijax.core import mesh as mesh_lib
+from semijax.errors import ConfigError
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import metrics as metrics_lib
+from semijax.train import optimizer as optimizer_lib
 
 
-def build_engine(config, parsed: config_lib.Parsed) -> engine_lib.Engine:
-  """The engine for `config` (model, optimizer, mesh, emulated slowdown costs)."""
-  mesh = mesh_lib.make_mesh(config.mesh.data, config.mesh.tensor)
-  model_fn, loss_terms = models.build(config.model)
+def say(message: str) -> None:
+  """A console line for the user (process 0 only)."""
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def build_engine(run: config_lib.RunConfig) -> engine_lib.Engine:
+  """The engine of a run (model, optimizer, mesh, emulated slowdown costs)."""
+  model_fn, loss_terms = models.build(run.model)
   unit_ms = None
-  if parsed.slowdown is not None:
-    m = config.model
-    flops = hetero.flops_per_unit(d_model=m.d_model, head_dim=m.d_model // m.num_heads,
-                                  seq_len=models.sequence_length(m), causal=models.is_causal(m))
-    tokens = config.batch_size // config.mesh.data * models.sequence_length(m)
-    unit_ms = hetero.unit_ms(flops, tokens, config.hetero.device_gflops)
-  return engine_lib.Engine(model_fn, loss_terms, mesh, config_lib.optimizer(config),
-                           unit_ms=unit_ms)
+  if run.hetero.slowdown is not None:
+    tokens = run.batch_size // run.mesh.data * run.model.seq_len
+    unit_ms = emulation.unit_ms(run.model.flops_per_unit(), tokens, run.hetero.device_gflops)
+  return engine_lib.Engine(model_fn, loss_terms, run.mesh.make(),
+                           optimizer_lib.make(run.optimizer, run.steps), unit_ms=unit_ms)
 
 
-def _restore_or_init(engine, ckpt, config, layout):
-  """(padded state, start step) from the latest checkpoint in workdir, or fresh from the seed."""
+def _cached_engine(run: config_lib.RunConfig, cache: dict | None) -> engine_lib.Engine:
+  """A new engine, or one of `cache` whose model, mesh, optimizer and emulation match."""
+  if cache is None:
+    return build_engine(run)
+  key = (run.model, run.mesh, run.optimizer, run.hetero, run.steps, run.batch_size)
+  if key not in cache:
+    cache[key] = build_engine(run)
+  return cache[key]
+
+
+def _restore_or_init(engine, ckpt, run: config_lib.RunConfig, layout):
+  """(padded state, start step, balancer state) from the latest checkpoint in workdir, or
+  fresh from the seed."""
   step = ckpt.latest_step()
   if step is None:
-    return engine.init(config.seed, layout), 0
+    return engine.init(run.seed, layout), 0, None
   meta = ckpt.read_meta(step)
-  if meta.get("model") != config.model.to_dict():
-    raise config_lib.ConfigError(
+  if meta.get("model") != run.model.to_dict():
+    raise ConfigError(
         f"config.model: the checkpoint at step {step} in {ckpt.directory} was trained with model "
-        f"{meta.get('model')}, not {config.model.to_dict()}; use another --workdir")
+        f"{meta.get('model')}, not {run.model.to_dict()}; use another --workdir")
   logical, meta = ckpt.restore(engine.abstract_logical(), step)
-  logging.info("restored step %d (saved with layout %s) onto layout %s", step,
-               meta["layout"], layout.to_json())
-  return engine.to_padded(logical, layout), int(meta["data_position"])
+  say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with MLP units "
+      f"{_counts(meta['layout'], 'mlp')}), continuing to step {run.steps}")
+  return engine.to_padded(logical, layout), int(meta["data_position"]), ckpt.restore_extra(step)
+
+
+def _counts(layout_json: dict, kind: str) -> tuple:
+  return tuple(len(o) for o in layout_json[kind]["owned"])
 
 
 def _evaluate(engine, params, batches, plan) -> dict:
+  """Validation loss and accuracy: summed over every evaluation batch, divided once."""
   totals = None
   for b in batches:    # summed on the host: adding device scalars would compile on the way
     terms = jax.device_get(engine.eval_terms(params, b, plan))
@@ -79,7 +102,8 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
   """Trains `config` in `workdir` (auto-resuming) and returns a summary of the run.
 
   Args:
-    config: the run's ConfigDict; workdir: where checkpoints, metrics and decisions go.
+    config: the run's ConfigDict (validated here, the only place it is read).
+    workdir: where checkpoints, metrics and decisions go.
     after_warmup: called once everything is compiled, right before the first step (e.g. a
       benchmark starts its contention there).
     engine_cache: a dict to reuse engines (and their compiled steps) across runs in one process
@@ -87,52 +111,56 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
 
   Returns:
     {"steps", "train/loss", "val/loss", "val/accuracy", "mean_step_time_s", "<unit>_per_s",
-     "step_times_s": [...], "losses": [...]} for the steps run by this call.
+     "step_times_s": [...], "losses": [...], "balance": {...}} for the steps run by this call.
 
   Raises:
-    config_lib.ConfigError: bad config or data (before compiling).
+    ConfigError: bad config or data (before compiling).
     FloatingPointError: a NaN or infinite loss (the last good checkpoint stays intact).
   """
-  parsed = config_lib.validate(config, jax.device_count(), jax.process_count())
-  feed_index, feeds = mesh_lib.batch_feed(mesh_lib.make_mesh(config.mesh.data, config.mesh.tensor))
-  dataset = data_lib.build(config, feed_index, feeds)
-  if engine_cache is None:
-    engine = build_engine(config, parsed)
-  else:
-    key = json.dumps({k: config[k].to_dict() for k in ("model", "mesh", "optimizer", "hetero")}
-                     | {"steps": config.steps, "batch_size": config.batch_size}, sort_keys=True)
-    if key not in engine_cache:
-      engine_cache[key] = build_engine(config, parsed)
-    engine = engine_cache[key]
-  layout = balance_lib.Balancer.initial_layout(config, parsed)
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                     keep=config.keep_checkpoints)
-  state, start = _restore_or_init(engine, ckpt, config, layout)
-  writer = metrics_lib.MetricWriter(workdir, resume_step=start)
-  writer.write_config(config)
+  run = config_lib.validate(config, jax.device_count(), jax.process_count())
+  feed_index, feeds = mesh_lib.batch_feed(run.mesh.make())
+  dataset = data_lib.build(run.data, feed_index, feeds)
+  engine = _cached_engine(run, engine_cache)
+  with contextlib.ExitStack() as stack:
+    balancer = coordinator_lib.Balancer.create(
+        engine, settings=run.balance, resize_spec=run.resize, hetero=run.hetero, spec=run.model,
+        layout=run.layout, workdir=workdir, steps_per_epoch=dataset.steps_per_epoch,
+        seed=run.seed)
+    stack.callback(balancer.close)
+    ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       keep=run.keep_checkpoints)
+    stack.callback(ckpt.close)
+    state, start, extra = _restore_or_init(engine, ckpt, run, balancer.layout)
+    balancer.load_state_dict(extra)
+    writer = stack.enter_context(metrics_lib.MetricWriter(workdir, resume_step=start))
+    writer.write_config(run.source)
+    return _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_warmup)
 
+
+def _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_warmup) -> dict:
+  """Warm-up and the steps of `train_and_evaluate` (its resources are closed by the caller)."""
   # The schedule in one program, before warm-up (calling it per step would compile on the way).
-  learning_rates = np.asarray(jax.jit(jax.vmap(config_lib.learning_rate_schedule(config)))(
-      np.arange(config.steps)))
-  balancer = balance_lib.Balancer(config, parsed, engine, layout, workdir,
-                                  dataset.steps_per_epoch)
-  if start and balancer.priority is not None and (saved := ckpt.restore_extra(start)) is not None:
-    balancer.priority.load_state_dict(saved["priority"])
+  learning_rates = np.asarray(jax.jit(jax.vmap(optimizer_lib.learning_rate_schedule(
+      run.optimizer, run.steps)))(np.arange(run.steps)))
   eval_batches = [engine.shard_batch(b) for b in dataset.eval_batches()]
+  t0 = time.perf_counter()
+  compiles_before = engine.compile_count
   state = balancer.warm_up(state, engine.shard_batch(dataset.train_batch(start)), eval_batches[0],
-                          step=start)
+                           step=start)
   if jax.process_count() > 1:     # start together (a process still compiling would stall step 1)
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices("semijax warm-up")
+  say(f"warm-up: policy {balancer.policy.name}, {engine.compile_count - compiles_before} step "
+      f"programs compiled, {time.perf_counter() - t0:.1f} s")
   if after_warmup is not None:
     after_warmup()
 
-  unit = "tokens" if config.model.name == "gpt" else "images"
-  items_per_step = config.batch_size * dataset.tokens_per_example
-  progress = metrics_lib.Progress(config.steps, unit=unit, start_step=start)
+  unit = run.model.unit
+  items_per_step = run.batch_size * run.model.items_per_example
+  progress = metrics_lib.Progress(run.steps, unit=unit, start_step=start)
   step_times, losses, val = [], [], {}
   last_saved = start if start else None
-  for step in range(start + 1, config.steps + 1):
+  for step in range(start + 1, run.steps + 1):
     batch = engine.shard_batch(dataset.train_batch(step - 1))
     t0 = time.perf_counter()
     state, plan = balancer.before_step(step - 1, state)   # may migrate the state
@@ -143,8 +171,6 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     dt = time.perf_counter() - t0                    # the step and everything balancing costs
     if not math.isfinite(loss):
       writer.write(step, {"train/loss": loss})
-      writer.close()
-      balancer.close()
       raise FloatingPointError(
           f"train/loss is {loss} at step {step}: training stopped. The last good checkpoint "
           f"(step {last_saved}) in {ckpt.directory} is intact; lower "
@@ -156,32 +182,35 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
                "train/learning_rate": float(learning_rates[step - 1]),
                "train/step_time_s": dt, f"train/{unit}_per_s": items_per_step / dt}
     scalars.update(balance_scalars)
-    if (keep := balancer.keep(step - 1)) is not None:
-      scalars.update({"resize/min_keep": min(keep), "resize/resized_devices": sum(
-          k < 1 for k in keep)})
-    if step % config.eval_every == 0 or step == config.steps:
+    if (keep := balancer.setup(step - 1).keep) is not None:
+      scalars.update({"resize/min_keep": min(keep),
+                      "resize/resized_devices": sum(k < 1 for k in keep)})
+    if step % run.eval_every == 0 or step == run.steps:
       val = _evaluate(engine, state.params, eval_batches, plan)
       scalars.update(val)
-    changed = balancer.decision is not None and balancer.decision.changed
-    if step % config.log_every == 0 or step == config.steps or "val/loss" in scalars or changed:
+    decision = balancer.decision
+    if decision is not None and decision.changed:
+      say(f"balance step {step}: {decision.reason}")
+    if (step % run.log_every == 0 or step == run.steps or "val/loss" in scalars
+        or (decision is not None and decision.changed)):
       writer.write(step, scalars)
-      if jax.process_index() == 0:
-        names = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "val_accuracy"}
-        shown = {names[k]: v for k, v in scalars.items() if k in names}
-        print(progress.line(step, dt, items_per_step, shown), flush=True)
-    if (config.checkpoint_every and step % config.checkpoint_every == 0) or step == config.steps:
+      names = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "val_accuracy"}
+      shown = {names[k]: v for k, v in scalars.items() if k in names}
+      say(progress.line(step, dt, items_per_step, shown))
+    if (run.checkpoint_every and step % run.checkpoint_every == 0) or step == run.steps:
       meta = {"data_position": step, "layout": balancer.layout.to_json(),
-              "model": config.model.to_dict()}
-      extra = None if balancer.priority is None else {"priority": balancer.priority.state_dict()}
-      ckpt.save(step, engine.to_logical(state, balancer.layout), meta, extra)
+              "model": run.model.to_dict()}
+      ckpt.save(step, engine.to_logical(state, balancer.layout), meta, balancer.state_dict())
       last_saved = step
-  writer.close()
-  ckpt.close()
-  balancer.close()
   timed = step_times[1:] or step_times
   mean_dt = float(np.mean(timed)) if timed else float("nan")
-  return {"steps": config.steps, "start_step": start,
-          "train/loss": losses[-1] if losses else float("nan"), **val,
-          "mean_step_time_s": mean_dt, f"{unit}_per_s": items_per_step / mean_dt,
-          "step_times_s": step_times, "losses": losses,
-          "balance": balancer.summary(float(np.sum(step_times)))}
+  summary = {"steps": run.steps, "start_step": start,
+             "train/loss": losses[-1] if losses else float("nan"), **val,
+             "mean_step_time_s": mean_dt, f"{unit}_per_s": items_per_step / mean_dt,
+             "step_times_s": step_times, "losses": losses,
+             "balance": balancer.summary(float(np.sum(step_times)))}
+  b = summary["balance"]
+  say(f"done: {len(step_times)} steps, {summary[f'{unit}_per_s']:,.0f} {unit}/s, "
+      f"val_loss {val.get('val/loss', float('nan')):.4f}, {b['migrations']} migrations, "
+      f"{b['compiles_after_warmup']} compiles after warm-up")
+  return summary

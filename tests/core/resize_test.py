@@ -15,6 +15,7 @@ import pytest
 import helpers as H
 import helpers as train_test
 from semijax.balance import priority as priority_lib
+from semijax.balance import resize as resize_spec_lib
 from semijax.core import engine as engine_lib
 from semijax.core import layout as L
 from semijax.core import resize as resize_lib
@@ -38,7 +39,7 @@ def uneven_layout(seed):
 
 
 def make_priority(eng, layout, **spec):
-  spec = resize_lib.ResizeSpec(fractions=(0.5, 1.0), **spec).validate(layout.num_devices)
+  spec = resize_spec_lib.ResizeSpec(fractions=(0.5, 1.0), **spec).validate(layout.num_devices)
   return priority_lib.Priority(spec, num_layers=H.GPT_KW["num_layers"], d_model=D_MODEL,
                                num_units=eng.num_units, unit_sizes=eng.unit_sizes,
                                num_devices=layout.num_devices)
@@ -309,12 +310,12 @@ def test_evaluation_never_resizes():
 
 
 def test_rotating_straggler_schedule():
-  spec = resize_lib.ResizeSpec(straggler="rotate", straggler_keep=0.5).validate(4)
+  spec = resize_spec_lib.ResizeSpec(straggler="rotate", straggler_keep=0.5).validate(4)
   got = [spec.keep_ratios(step, 4, epoch_steps=3) for step in range(13)]
   stragglers = [r.index(0.5) for r in got]
   assert stragglers == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 0]
   assert all(sorted(r) == [0.5, 1.0, 1.0, 1.0] for r in got)
-  fixed = resize_lib.ResizeSpec(straggler=(1, 3), straggler_keep=0.25).validate(4)
+  fixed = resize_spec_lib.ResizeSpec(straggler=(1, 3), straggler_keep=0.25).validate(4)
   assert fixed.keep_ratios(7, 4, 3) == (1.0, 0.25, 1.0, 0.25)
 
 
@@ -342,8 +343,10 @@ def test_resize_settings_from_strings():
   config = train_test.tiny_gpt(tensor=4)
   config.resize.straggler = "1,3"
   assert config_lib.validate(config, 8).resize.straggler == (1, 3)
+  config.resize.straggler = 3
+  assert config_lib.validate(config, 8).resize.straggler == (3,)
   config.resize.straggler = ""
-  assert config_lib.validate(config, 8).resize is None          # nobody resized
+  assert not config_lib.validate(config, 8).resize.scheduled     # nobody resized
 
 
 # --- training ---------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def refused(config, workdir, match):
     (lambda c: c.hetero.__setattr__("slowdown", (1.0, 4.0, 1.0)),
      r"^config.hetero.slowdown: 3 factors \(1.0, 4.0, 1.0\) for mesh.tensor = 4 devices"),
     (lambda c: c.hetero.__setattr__("slowdown", (1.0, -4.0, 1.0, 1.0)),
-     r"^config.hetero.slowdown: factors must be positive"),
+     r"^config.hetero.slowdown: every factor must be a positive finite number, got -4.0"),
     (lambda c: c.mesh.__setattr__("tensor", 16), r"^config.mesh: data \* tensor = 1 \* 16"),
     (lambda c: c.__setattr__("batch_size", 7),
      r"^config.batch_size: 7 is not divisible by mesh.data \* processes = 2 \* 1"),
@@ -66,7 +66,7 @@ def test_bad_config_leaves_an_existing_run_intact(tmp_path):
   assert before == after
 
 
-def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
   rng = np.random.default_rng(0)
   images = rng.random((64, 8, 8, 1)).astype(np.float32)
   np.save(tmp_path / "x.npy", images)
@@ -82,12 +82,14 @@ def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
   images[:] = np.nan
   np.save(tmp_path / "x.npy", images)
   config.steps = 4
+  closed = H.record_closes(monkeypatch)
   with pytest.raises(FloatingPointError, match=r"^train/loss is nan at step 3: training stopped. "
                      r"The last good checkpoint \(step 2\)"):
     train.train_and_evaluate(config, workdir)
+  assert sorted(closed) == ["Checkpointer", "DecisionLog"]      # both closed on the way out
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
   assert ckpt.all_steps() == [2]
-  engine = train.build_engine(config, config_lib.validate(config))
+  engine = train.build_engine(config_lib.validate(config))
   state, meta = ckpt.restore(engine.abstract_logical())
   assert meta["data_position"] == 2
   assert all(np.isfinite(np.asarray(x)).all() for x in H.jax.tree.leaves(state.params))

@@ -310,19 +310,20 @@ def test_image_size_errors():
 
 
 def test_build_gpt_pydoc_and_text_file(tmp_path):
-  ds = D.build(_gpt_config())
+  ds = D.build(D.DataSpec.from_config(_gpt_config()))
   assert isinstance(ds, D.TextDataset) and ds.train_batch(0)["inputs"].shape == (4, 32)
   assert len(ds.eval_batches()) == 2
   p = tmp_path / "t.txt"
   p.write_bytes(TEXT)
-  ds = D.build(_gpt_config(name="text_file", path=str(p)), process_index=1, process_count=2)
+  ds = D.build(D.DataSpec.from_config(_gpt_config(name="text_file", path=str(p))), process_index=1,
+              process_count=2)
   assert ds.train_batch(0)["inputs"].shape == (2, 32)
   assert ds.eval_batches()[0]["inputs"].shape == (2, 32)
 
 
 def test_build_vit_digits_and_npy(tmp_path):
   pytest.importorskip("sklearn")
-  ds = D.build(_vit_config())
+  ds = D.build(D.DataSpec.from_config(_vit_config()))
   assert isinstance(ds, D.ImageDataset)
   assert ds.num_val == round(1797 * 0.2)
   assert ds.train_batch(0)["images"].shape == (16, 8, 8, 1)
@@ -331,7 +332,7 @@ def test_build_vit_digits_and_npy(tmp_path):
   np.save(tmp_path / "y.npy", labels)
   config = _vit_config(image_size=6, channels=3, name="npy", images=str(tmp_path / "x.npy"),
                        labels=str(tmp_path / "y.npy"))
-  assert D.build(config).train_batch(0)["images"].shape == (16, 6, 6, 3)
+  assert D.build(D.DataSpec.from_config(config)).train_batch(0)["images"].shape == (16, 6, 6, 3)
 
 
 @pytest.mark.parametrize("config, process_count, pattern", [
@@ -353,14 +354,14 @@ def test_build_errors_name_their_field(config, process_count, pattern):
   if config.model.name == "vit" and config.data.name == "digits":
     pytest.importorskip("sklearn")
   with pytest.raises(ConfigError, match="^" + pattern):
-    D.build(config, process_count=process_count)
+    D.build(D.DataSpec.from_config(config), process_count=process_count)
 
 
 def test_build_unknown_model():
   config = _gpt_config()
   config.model.name = "resnet"
   with pytest.raises(ConfigError, match=r"^config\.model\.name: 'resnet'"):
-    D.build(config)
+    D.DataSpec.from_config(config)
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))),
@@ -369,6 +370,6 @@ def test_build_the_default_config_of_every_config_file(path):
   config = config_lib.load(path)   # no option after the colon: the full-size default
   if config.data.name == "digits":
     pytest.importorskip("sklearn")
-  ds = D.build(config)
+  ds = D.build(config_lib.validate(config).data)
   assert len(ds.eval_batches()) >= 1
   assert len(ds.train_batch(0)) == 2

@@ -95,3 +95,17 @@ def test_restore_onto_another_layout_and_device_count(tmp_path, monkeypatch):
   assert moved["start_step"] == 3
   np.testing.assert_allclose(moved["losses"], reference["losses"][3:], rtol=2e-6, atol=2e-6)
   np.testing.assert_allclose(moved["val/loss"], reference["val/loss"], rtol=2e-6)
+
+
+def test_every_way_out_closes_the_checkpoints_and_the_decision_log(tmp_path, monkeypatch):
+  # An exception in the middle of a run (and, in bad_input_test, a NaN loss) leaves nothing
+  # open: the Orbax manager and workdir/decisions.jsonl are closed on every path out.
+  closed = H.record_closes(monkeypatch)
+  config = tiny_gpt(steps=6)
+  config.balance.policy = "semi"
+  config.hetero.slowdown = (2.0, 1.0, 1.0, 1.0)
+  with monkeypatch.context() as m:
+    interrupt_after(m, 2)
+    with pytest.raises(Interrupt):
+      train.train_and_evaluate(config, str(tmp_path))
+  assert sorted(closed) == ["Checkpointer", "DecisionLog"]

@@ -1,0 +1,67 @@
+"""The optimizer of a run: AdamW with linear warmup and cosine decay (`config.optimizer`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import optax
+
+from semijax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+  """`config.optimizer`: AdamW's settings, the warmup and the gradient clip.
+
+  Attributes:
+    learning_rate: the peak learning rate (after warmup; decays to a tenth by the last step).
+    warmup_steps: linear warmup from 0.
+    weight_decay: AdamW's decoupled weight decay, on matrices only.
+    b1, b2: Adam's moment decay rates.
+    grad_clip: global gradient-norm clip; 0 = none.
+  """
+
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0
+
+  def validate(self) -> "OptimizerSpec":
+    f = "config.optimizer"
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not (number(self.learning_rate) and self.learning_rate > 0):
+      raise ConfigError(f"{f}.learning_rate: must be a positive number, got "
+                        f"{self.learning_rate!r}")
+    w = self.warmup_steps
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+      raise ConfigError(f"{f}.warmup_steps: must be an integer >= 0, got {w!r}")
+    for name in ("weight_decay", "grad_clip"):
+      v = getattr(self, name)
+      if not (number(v) and v >= 0):
+        raise ConfigError(f"{f}.{name}: must be a number >= 0, got {v!r}")
+    for name in ("b1", "b2"):
+      v = getattr(self, name)
+      if not (number(v) and 0 <= v < 1):
+        raise ConfigError(f"{f}.{name}: must be in [0, 1), got {v!r}")
+    return self
+
+
+def learning_rate_schedule(spec: OptimizerSpec, steps: int) -> optax.Schedule:
+  warmup = min(spec.warmup_steps, steps - 1)
+  return optax.warmup_cosine_decay_schedule(0.0, spec.learning_rate, warmup, steps,
+                                            spec.learning_rate * 0.1)
+
+
+def make(spec: OptimizerSpec, steps: int) -> optax.GradientTransformation:
+  """AdamW with linear warmup and cosine decay over `steps`; weight decay on matrices only;
+  optional global-norm clip."""
+  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+  tx = optax.adamw(learning_rate_schedule(spec, steps), b1=spec.b1, b2=spec.b2,
+                   weight_decay=spec.weight_decay, mask=decay_mask)
+  if spec.grad_clip > 0:
+    tx = optax.chain(optax.clip_by_global_norm(spec.grad_clip), tx)
+  return tx
