@@ -16,8 +16,9 @@ is compiled or written, with one line on stderr that starts with the field ("con
 (semijax.runtime.cli).
 
 Compiled programs are kept in JAX's persistent compilation cache, by default in
-$XDG_CACHE_HOME/semijax/jax (~/.cache/semijax/jax), so a rerun of the same setup compiles nothing;
---compilation_cache_dir=DIR moves it, --nocompilation_cache turns it off.
+$JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/semijax/jax (~/.cache/semijax/jax), so a
+rerun of the same setup loads them instead of compiling (except programs with host callbacks: the
+emulated slowdown's); --compilation_cache_dir=DIR moves it, --nocompilation_cache turns it off.
 
 The console shows the progress lines, semijax's own log lines and every warning; the libraries'
 INFO logs (Orbax's checkpointing) are hidden. --verbosity=0 shows them too, --verbosity=-1 shows
@@ -41,8 +42,9 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 _AUTO = flags.DEFINE_bool("distributed_auto", False, "Let JAX detect the cluster (SLURM, TPU).")
 _CACHE = flags.DEFINE_bool("compilation_cache", True,
                            "Keep compiled programs in --compilation_cache_dir for later runs.")
-_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", cli.default_cache_dir(),
-                                 "JAX's persistent compilation cache.")
+_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", None, "JAX's persistent compilation cache; default: "
+    f"$JAX_COMPILATION_CACHE_DIR if set, else {cli.default_cache_dir()}.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -54,7 +56,7 @@ def main(argv):
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            auto=_AUTO.value)
     if _CACHE.value:   # a rerun of the same setup then loads its programs instead of compiling
-      cli.use_compilation_cache(_CACHE_DIR.value)
+      cli.use_compilation_cache(cli.cache_dir(_CACHE_DIR.value))
     logging.info("process %d of %d, %d devices (%d local)", jax.process_index(),
                  jax.process_count(), jax.device_count(), jax.local_device_count())
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)

@@ -12,7 +12,10 @@ import jax  # noqa: E402
 
 # Engines are rebuilt per test, so identical programs (inits, packers, reference models) would
 # compile again; the persistent cache, keyed by the program, shares them within the session.
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="semijax-jit-"))
+# The environment variable also sends the programs of experiments/train.py subprocesses there,
+# not to the user's ~/.cache.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="semijax-jit-")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # Tests check semantics, not speed: skip most XLA optimization passes to compile faster (as the

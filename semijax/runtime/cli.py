@@ -8,7 +8,7 @@
   * `one_line_errors()`, around the body of `main`: an `errors.InputError` (bad input the user can
     fix) or a FloatingPointError (a NaN loss) ends the program with its message as one line on
     stderr and exit status 1. Anything else is a bug and keeps its traceback.
-  * `use_compilation_cache(directory)`: JAX's persistent compilation cache for every program.
+  * `use_compilation_cache(cache_dir(flag))`: JAX's persistent compilation cache for every program.
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ def default_cache_dir() -> str:
   """$XDG_CACHE_HOME/semijax/jax, or ~/.cache/semijax/jax."""
   cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return os.path.join(cache_home, "semijax", "jax")
+
+
+def cache_dir(flag_value: str | None) -> str:
+  """`flag_value` if set, else JAX's own setting (JAX_COMPILATION_CACHE_DIR in the environment or
+  --jax_compilation_cache_dir), else `default_cache_dir()`."""
+  return flag_value or jax.config.jax_compilation_cache_dir or default_cache_dir()
 
 
 def use_compilation_cache(directory: str) -> None:

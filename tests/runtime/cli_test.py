@@ -4,6 +4,7 @@ import logging
 import os
 
 from absl import flags
+import jax
 from ml_collections import config_flags
 import pytest
 
@@ -101,3 +102,10 @@ def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
   assert cli.default_cache_dir() == str(tmp_path / "semijax" / "jax")
   monkeypatch.delenv("XDG_CACHE_HOME")
   assert cli.default_cache_dir() == os.path.expanduser("~/.cache/semijax/jax")
+
+
+def test_cache_dir_prefers_the_flag_then_jaxs_own_setting():
+  assert cli.cache_dir("/from/flag") == "/from/flag"
+  assert jax.config.jax_compilation_cache_dir   # set by conftest (and JAX_COMPILATION_CACHE_DIR)
+  assert cli.cache_dir(None) == jax.config.jax_compilation_cache_dir
+  assert os.environ["JAX_COMPILATION_CACHE_DIR"] == jax.config.jax_compilation_cache_dir
