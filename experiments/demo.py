@@ -17,11 +17,13 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import demo  # noqa: E402
+from semijax.runtime import cli  # noqa: E402
 
 _OUT = flags.DEFINE_string("out_dir", "results/demo", "Where to write the table and plot.")
 _STEPS = flags.DEFINE_integer("steps", 60, "Training steps per run.")
 _SLOW = flags.DEFINE_integer("slow_device", 3, "Index of the slow tensor device.")
 _FACTOR = flags.DEFINE_float("slowdown", 4.0, "How many times slower the slow device is.")
+_CACHE, _CACHE_DIR = cli.define_cache_flags()
 
 
 def main(argv):
@@ -31,8 +33,10 @@ def main(argv):
     raise app.UsageError(
         f"the demo needs {demo.NUM_DEVICES} devices, found {jax.device_count()}; set "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={demo.NUM_DEVICES}")
-  demo.main(_STEPS.value, _SLOW.value, _FACTOR.value, _OUT.value)
+  with cli.one_line_errors():
+    cli.apply_cache_flags(_CACHE, _CACHE_DIR)   # a second demo loads its programs
+    demo.main(_STEPS.value, _SLOW.value, _FACTOR.value, _OUT.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -17,12 +17,12 @@ is compiled or written, with one line on stderr that starts with the field ("con
 
 Compiled programs are kept in JAX's persistent compilation cache, by default in
 $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/semijax/jax (~/.cache/semijax/jax), so a
-rerun of the same setup loads them instead of compiling (except programs with host callbacks: the
-emulated slowdown's); --compilation_cache_dir=DIR moves it, --nocompilation_cache turns it off.
+rerun of the same setup loads them instead of compiling; --compilation_cache_dir=DIR moves it,
+--nocompilation_cache turns it off.
 
-The console shows the progress lines, semijax's own log lines and every warning; the libraries'
-INFO logs (Orbax's checkpointing) are hidden. --verbosity=0 shows them too, --verbosity=-1 shows
-warnings only.
+The console shows where the run starts, the warm-up, balancing changes, progress lines, a summary
+and every warning; the libraries' INFO logs (semijax's and Orbax's) are hidden. --verbosity=0
+shows them too, --verbosity=-1 shows warnings only.
 """
 
 from absl import app, flags, logging
@@ -40,11 +40,7 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 _AUTO = flags.DEFINE_bool("distributed_auto", False, "Let JAX detect the cluster (SLURM, TPU).")
-_CACHE = flags.DEFINE_bool("compilation_cache", True,
-                           "Keep compiled programs in --compilation_cache_dir for later runs.")
-_CACHE_DIR = flags.DEFINE_string(
-    "compilation_cache_dir", None, "JAX's persistent compilation cache; default: "
-    f"$JAX_COMPILATION_CACHE_DIR if set, else {cli.default_cache_dir()}.")
+_CACHE, _CACHE_DIR = cli.define_cache_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -55,8 +51,8 @@ def main(argv):
     # Before anything touches a JAX backend.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            auto=_AUTO.value)
-    if _CACHE.value:   # a rerun of the same setup then loads its programs instead of compiling
-      cli.use_compilation_cache(cli.cache_dir(_CACHE_DIR.value))
+    # A rerun of the same setup then loads its programs instead of compiling them.
+    cli.apply_cache_flags(_CACHE, _CACHE_DIR)
     logging.info("process %d of %d, %d devices (%d local)", jax.process_index(),
                  jax.process_count(), jax.device_count(), jax.local_device_count())
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)

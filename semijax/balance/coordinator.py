@@ -60,18 +60,21 @@ class Balancer:
     engine: the run's engine.
     policy: a `policies.Policy`.
     buckets: the policy's buckets for the configured layout.
-    hetero: the emulated slowdown (`core.emulation.Hetero`).
+    hetero: the slowdown profile (`core.emulation.Hetero`; a sampler's speeds when emulated).
+    emulator: a `core.emulation.Emulator` for an emulated slowdown, else None.
     resizer: a `priority.Resizer` for policies that resize, else None.
     controller, sampler: for controlled policies, else None.
     log: a `decisions.DecisionLog`, or None.
   """
 
   def __init__(self, engine, policy: policies_lib.Policy, buckets: buckets_lib.Buckets, hetero,
-               *, resizer: priority_lib.Resizer | None = None,
+               *, emulator=None, resizer: priority_lib.Resizer | None = None,
                controller: controller_lib.Controller | None = None,
                sampler: sampling_lib.SpeedSampler | None = None,
                log: decisions_lib.DecisionLog | None = None):
     self.engine, self.policy, self.buckets, self.hetero = engine, policy, buckets, hetero
+    self.emulator = emulator
+    self.delay_s = 0.0              # the emulated slowdown of the current step
     self.layout = buckets.start
     self.plans = plans_lib.PlanCache(engine, policy, buckets)
     self.mover = mover_lib.Mover(engine) if policy.moves else None
@@ -89,14 +92,15 @@ class Balancer:
 
   @classmethod
   def create(cls, engine, *, settings, resize_spec, hetero, spec, layout, workdir: str | None,
-             steps_per_epoch: int, seed: int) -> "Balancer":
+             steps_per_epoch: int, seed: int, emulator=None) -> "Balancer":
     """The balancer a run's typed config asks for.
 
     Args:
       engine: the run's engine; settings: `BalanceSettings`; resize_spec: `resize.ResizeSpec`;
       hetero: `core.emulation.Hetero`; spec: `core.spec.ModelSpec`; layout: the configured
       layout; workdir: where decisions.jsonl goes (process 0), or None; steps_per_epoch: steps
-      per pass over the data (default epoch of resizing); seed: for the random priority.
+      per pass over the data (default epoch of resizing); seed: for the random priority;
+      emulator: the emulated slowdown (`core.emulation.Emulator`), or None.
     """
     epoch_steps = resize_spec.epoch_steps or steps_per_epoch
     policy = policies_lib.make(settings, resize_spec, epoch_steps)
@@ -117,8 +121,8 @@ class Balancer:
       sampler = sampling_lib.SpeedSampler(settings, hetero, engine.mesh)
       if workdir is not None and jax.process_index() == 0:
         log = decisions_lib.DecisionLog(workdir)
-    return cls(engine, policy, buckets, hetero, resizer=resizer, controller=controller,
-               sampler=sampler, log=log)
+    return cls(engine, policy, buckets, hetero, emulator=emulator, resizer=resizer,
+               controller=controller, sampler=sampler, log=log)
 
   # --- per step -------------------------------------------------------------------------------
 
@@ -155,9 +159,16 @@ class Balancer:
       if self.resizer.due(step):
         self._refresh(step, state)
       resize, version = self.resizer.resize(self.layout, setup.keep), self.resizer.version
-    plan = self.plans.plan(self.layout, setup, self.hetero.slowdown_at(step), resize, version)
+    plan, executed = self.plans.plan(self.layout, setup, resize, version)
+    if self.emulator is not None:
+      self.delay_s = self.emulator.delay_s(step, executed)
     self.stats["single_width_steps"] += all(len(w) == 1 for _, w in plan.widths)
     return state, plan
+
+  def emulate(self) -> None:
+    """Sleeps the emulated slowdown of the step just computed (nothing without emulation)."""
+    if self.emulator is not None:
+      self.emulator.sleep(self.delay_s)
 
   def _refresh(self, step: int, state) -> None:
     params = jax.device_get(self.engine.to_logical(state, self.layout).params)
@@ -248,7 +259,6 @@ class Balancer:
   def _warm_steps(self, state, batch, eval_batch, layout) -> None:
     """Compiles and exercises the train and eval steps the policy may run in `layout`'s bucket
     (`policies.Policy.step_kinds`), with `state` in `layout`."""
-    slowdown = self.hetero.slowdown_at(0)
     owned = {k: u.counts for k, u in layout.kinds().items()}
     for kind in self.plans.kinds(layout):
       setup, resize = Setup.of(owned), None
@@ -258,7 +268,7 @@ class Balancer:
       elif kind == "offload":
         setup = Setup(setup.owned, {k: buckets_lib.shift_one(u.counts, u.capacity)
                                     for k, u in layout.kinds().items()})
-      plan = self.plans.build(layout, kind, setup, slowdown, resize)
+      plan = self.plans.build(layout, kind, setup, resize)
       self.engine.compile(state, batch, plan, eval_batch)
       self.engine.exercise(state, batch, plan)
 

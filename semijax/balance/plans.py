@@ -17,9 +17,9 @@ from semijax.core import offload as offload_lib
 from semijax.core import plan as plan_lib
 
 # Plans kept before the cache is cleared. A plan is a few small device arrays; distinct plans
-# come from (layout, keep ratios, slowdown, offload) combinations, which a run revisits (a
-# rotating straggler cycles through N slowdowns), so 64 covers every run here many times over
-# while bounding what a pathological run could accumulate.
+# come from (layout, keep ratios, offload) combinations, which a run revisits (a rotating
+# straggler cycles through N of them), so 64 covers every run here many times over while
+# bounding what a pathological run could accumulate.
 PLAN_CACHE_SIZE = 64
 
 
@@ -62,24 +62,31 @@ class PlanCache:
                          "on the hot path")
     return want
 
-  def build(self, layout: layout_lib.Layout, kind: str, setup: Setup, slowdown,
+  @staticmethod
+  def _arguments(layout: layout_lib.Layout, kind: str, setup: Setup, resize) -> dict:
+    """`Engine.plan` / `plan.executed_widths` keyword arguments of variant `kind`."""
+    if kind == "single":
+      return {"widths": plan_lib.uniform_widths(layout)}
+    if kind == "offload":
+      return {"offload": offload_for(layout, setup.computed)}
+    return {"resize": resize if kind == "resized" else None}
+
+  def build(self, layout: layout_lib.Layout, kind: str, setup: Setup,
             resize=None) -> plan_lib.Plan:
     """The device plan of variant `kind` for `layout` (uncached; warm-up uses it directly)."""
-    if kind == "single":
-      return self.engine.plan(layout, slowdown, widths=plan_lib.uniform_widths(layout))
-    if kind == "offload":
-      return self.engine.plan(layout, slowdown, offload=offload_for(layout, setup.computed))
-    return self.engine.plan(layout, slowdown, resize if kind == "resized" else None)
+    return self.engine.plan(layout, **self._arguments(layout, kind, setup, resize))
 
-  def plan(self, layout: layout_lib.Layout, setup: Setup, slowdown, resize=None,
-           resize_version: int = 0) -> plan_lib.Plan:
-    """The cached device plan of a step (the same inputs give the same device arrays)."""
+  def plan(self, layout: layout_lib.Layout, setup: Setup, resize=None,
+           resize_version: int = 0) -> tuple[plan_lib.Plan, dict]:
+    """(device plan, {kind: executed widths [N, L]}) of a step, cached: the same inputs give the
+    same device arrays."""
     kind = self.kind(layout, setup)
     computed = tuple(sorted(setup.computed.items())) if kind == "offload" else None
-    key = (layout, kind, setup.keep, computed, slowdown,
-           resize_version if kind == "resized" else None)
+    key = (layout, kind, setup.keep, computed, resize_version if kind == "resized" else None)
     if key not in self._plans:
       if len(self._plans) >= PLAN_CACHE_SIZE:
         self._plans.clear()
-      self._plans[key] = self.build(layout, kind, setup, slowdown, resize)
+      args = self._arguments(layout, kind, setup, resize)
+      self._plans[key] = (self.engine.plan(layout, **args), plan_lib.executed_widths(
+          layout, self.engine.num_layers, **args))
     return self._plans[key]

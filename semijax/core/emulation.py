@@ -1,11 +1,18 @@
 """Emulated heterogeneity: slow devices as a delay proportional to the work they really do.
 
 On one host the fake CPU devices share the cores, so extra *compute* on one device slows all of
-them. A *sleep* costs no CPU, so a per-device sleep of (work the device executes) / (its speed)
-makes the step wait for the slowest device, like a real straggler in a TP group (DESIGN.md s4).
+them. A *sleep* costs no CPU, so sleeping, per block, for the extra time its slowest device would
+take makes the step wait like a real straggler in a TP group (DESIGN.md s4): every block ends in
+an all-reduce, so a block takes as long as its slowest device. A device with slowdown s that
+executes width w in a block takes `unit_ms * w * s` (forward plus backward, `unit_ms`); after
+each train step the host sleeps the sum over blocks of the largest such time (`Emulator`), from
+the widths the step executed (`core.plan.executed_widths`).
 
-The sleep goes right before each block's all-reduce, so every TP synchronization waits for that
-block's slowest device. It runs in the forward pass only and is sized for forward + backward.
+The sleep is on the host, not inside the compiled step: a program that calls back to the host
+cannot be stored in JAX's persistent compilation cache (and one callback per block and device
+costs host time every step). The sum over blocks of the per-block maximum is exactly what
+per-block sleeps before each all-reduce would add to a step whose real compute is the same on
+every device.
 """
 
 from __future__ import annotations
@@ -14,31 +21,12 @@ import dataclasses
 import math
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from semijax.errors import ConfigError
 
-# Backward costs about twice the forward: a forward-only sleep is charged for all three.
+# Backward costs about twice the forward: a delay charged for the forward alone is three times it.
 FWD_BWD_FACTOR = 3.0
-
-
-def _sleep(ms):
-  ms = float(np.asarray(ms).reshape(()))
-  if ms > 0:
-    time.sleep(ms / 1e3)
-  return np.zeros((), np.float32)
-
-
-def straggle(x: jax.Array, delay_ms: jax.Array) -> jax.Array:
-  """Returns x after this device slept `delay_ms` (call inside shard_map; x is unchanged).
-
-  The sleep's zero output is added to x, so the following collective waits for it.
-  """
-  z = io_callback(_sleep, jax.ShapeDtypeStruct((), jnp.float32), delay_ms)
-  return x + jax.lax.stop_gradient(z).astype(x.dtype)
 
 
 def unit_ms(flops: dict, tokens_per_device: int, device_gflops: float) -> dict:
@@ -99,4 +87,31 @@ class Hetero:
       return tuple(self.slowdown)
     shift = (step // self.rotate_every) % len(self.slowdown)
     return tuple(np.roll(np.asarray(self.slowdown, float), shift).tolist())
+
+
+@dataclasses.dataclass(frozen=True)
+class Emulator:
+  """The emulated slowdown of a run (see module doc).
+
+  Attributes:
+    hetero: the slowdown profile over time.
+    unit_ms: {kind: emulated milliseconds per unit of executed width at slowdown 1} (`unit_ms`).
+  """
+
+  hetero: Hetero
+  unit_ms: dict
+
+  def delay_s(self, step: int, executed: dict) -> float:
+    """Seconds the slowest devices add to 0-based `step`, which executes `executed`
+    ({kind: [N, L]} widths, `core.plan.executed_widths`): the sum over blocks of the largest
+    per-device time."""
+    slowdown = np.asarray(self.hetero.slowdown_at(step), np.float64)[:, None]
+    ms = sum(float((self.unit_ms[k] * np.asarray(e) * slowdown).max(axis=0).sum())
+             for k, e in executed.items())
+    return ms / 1e3
+
+  @staticmethod
+  def sleep(seconds: float) -> None:
+    if seconds > 0:
+      time.sleep(seconds)
 

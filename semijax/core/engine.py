@@ -61,13 +61,12 @@ class Engine:
     loss_terms: (logits, batch) -> {"loss_sum", "count", "correct"} local sums (`tasks`).
     mesh: a (data, tensor) mesh from `mesh.make_mesh`.
     tx: the optax optimizer (applied to padded parameters; padded slots stay zero).
-    unit_ms: optional {kind: ms per unit} for emulated stragglers (`hetero.unit_ms`).
     strict: if True, a step for a bucket that was not compiled raises instead of compiling.
   """
 
   def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], loss_terms: Callable,
                mesh: jax.sharding.Mesh, tx: optax.GradientTransformation, *,
-               unit_ms: dict | None = None, strict: bool = False):
+               strict: bool = False):
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract)
     bad = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_leaves_with_path(
@@ -81,7 +80,9 @@ class Engine:
     self.input_key = abstract.input_key
     self.unit_sizes = abstract.unit_sizes()
     self.num_units = self._num_units()
-    self.unit_ms = dict(unit_ms or {})
+    blocks = [resize_lib.block_index(path) for path, _ in
+              jax.tree_util.tree_leaves_with_path(self.axes)]
+    self.num_layers = 1 + max((b for b in blocks if b is not None), default=0)
     self.strict = strict
     self._exercised: set = set()
     self.param_shardings = sharding.shardings(self.axes, mesh)
@@ -133,13 +134,12 @@ class Engine:
         raise layout_lib.LayoutError(
             f"layout.{kind}: {u.num_units} units, but the model has {self.num_units[kind]}")
 
-  def plan(self, layout: layout_lib.Layout, slowdown=None, resize=None,
-           offload=None, widths=None) -> plan_lib.Plan:
+  def plan(self, layout: layout_lib.Layout, resize=None, offload=None,
+           widths=None) -> plan_lib.Plan:
     """The device-placed plan for a step with `layout`.
 
     Args:
       layout: the layout the state is packed in.
-      slowdown: optional emulated slowdown factor per tensor device.
       resize: optional host `resize.Resize` (from `priority.Priority.select`).
       offload: optional {kind: {straggler: {helper: units}}} (`offload.for_target` builds one):
         helpers compute those units of the straggler every step, exactly. Every amount (and {})
@@ -149,11 +149,7 @@ class Engine:
         (`plan_lib.uniform_widths`); another compiled step.
     """
     self.check_layout(layout)
-    if slowdown is not None and len(slowdown) != self.tensor_size:
-      raise ValueError(f"hetero.slowdown: {len(slowdown)} factors for {self.tensor_size} "
-                       "tensor devices")
-    return plan_lib.make_plan(layout, self.mesh, slowdown=slowdown, resize=resize, offload=offload,
-                        unit_ms=self.unit_ms if slowdown is not None else None, widths=widths)
+    return plan_lib.make_plan(layout, self.mesh, resize=resize, offload=offload, widths=widths)
 
   def migrator(self):
     """This engine's `migrate.Migrator` (one per engine, so its compiled moves are reused)."""

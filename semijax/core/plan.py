@@ -1,8 +1,10 @@
 """The step plan: what every tensor device computes in one step, as data of a compiled step.
 
-A `Plan` holds the per-device active counts, the emulated slowdown, the resize arrays and the
-offload plans of one step (data, split over `tensor`), and the compiled bucket widths (static).
-Changing the data never recompiles; changing the static parts selects another compiled variant.
+A `Plan` holds the per-device active counts, the resize arrays and the offload plans of one step
+(data, split over `tensor`), and the compiled bucket widths (static). Changing the data never
+recompiles; changing the static parts selects another compiled variant. `executed_widths` says,
+on the host, what width every device executes in every block of a step: what the emulated
+slowdown charges, and what a cost model counts.
 """
 
 from __future__ import annotations
@@ -20,37 +22,28 @@ from semijax.core import offload as offload_lib
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("active", "slowdown", "resize", "offload"),
-                   meta_fields=("widths", "unit_ms"))
+                   data_fields=("active", "resize", "offload"),
+                   meta_fields=("widths",))
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What every tensor device computes in one step.
 
   Attributes:
     active: {kind: int32 [N]} leading slots each device computes ([1] locally in shard_map).
-    slowdown: float32 [N] emulated slowdown factor per tensor device (1.0 = nominal), or None for
-      no emulation ([1] locally).
     resize: a `resize.Resize` (ZERO-resizing: which units / features each device skips in each
       layer), or None for exact computation. Inside a block, `layer(i)` has sliced it to layer i.
     offload: {kind: `offload.OffloadPlan`} for every kind (the same in every layer), or None: which
       units each device sends to helpers and computes for others. Exact, so `exact()` keeps it.
     widths: ((kind, compute widths), ...), static: the compiled bucket widths.
-    unit_ms: ((kind, ms), ...), static: emulated milliseconds per unit of executed width at
-      slowdown 1 (forward plus backward); only used when `slowdown` is not None.
   """
 
   active: dict
-  slowdown: jax.Array | None
   widths: tuple
-  unit_ms: tuple = ()
   resize: object = None
   offload: dict | None = None
 
   def widths_of(self, kind: str) -> tuple[int, ...]:
     return dict(self.widths)[kind]
-
-  def unit_ms_of(self, kind: str) -> float:
-    return dict(self.unit_ms).get(kind, 0.0)
 
   def layer(self, i: int) -> "Plan":
     """The plan of block i: resize arrays [N, L, ...] sliced to [N, ...] (or [1, ...] locally)."""
@@ -82,8 +75,7 @@ def uniform_widths(layout: layout_lib.Layout) -> dict | None:
   return out
 
 
-def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, slowdown=None,
-              unit_ms: dict | None = None, resize=None, offload=None,
+def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, resize=None, offload=None,
               widths: dict | None = None) -> Plan:
   """The device-placed plan for `layout` (every data leaf sharded over `tensor`).
 
@@ -102,6 +94,19 @@ def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, slowdown=No
   if offload is not None and resize is not None:
     raise ValueError("offload: cannot be combined with resize (a resized device's kept units "
                      "are a permutation, offload sends its last active slots); pass one of them")
+  kind_widths = _widths(layout, widths)
+  shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
+  put = lambda x: jax.device_put(x, shard)
+  active = {k: put(np.asarray(u.active, np.int32)) for k, u in layout.kinds().items()}
+  if resize is not None:
+    resize = jax.tree.map(put, resize)
+  if offload is not None:
+    offload = _offload_plans(layout, mesh, offload)
+  return Plan(active, tuple(kind_widths.items()), resize, offload)
+
+
+def _widths(layout: layout_lib.Layout, widths: dict | None) -> dict:
+  """{kind: compiled widths}: the layout's, or `widths` checked against it (ValueError)."""
   kind_widths = {k: u.widths for k, u in layout.kinds().items()}
   for kind, w in (widths or {}).items():
     u = layout.kinds().get(kind)
@@ -111,17 +116,42 @@ def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, slowdown=No
       raise ValueError(f"widths.{kind}: {w} must be ascending widths of a layout kind, at most "
                        f"its capacity and covering every active count ({layout.to_json()})")
     kind_widths[kind] = w
-  shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
-  put = lambda x: jax.device_put(x, shard)
-  active = {k: put(np.asarray(u.active, np.int32)) for k, u in layout.kinds().items()}
-  if slowdown is not None:
-    slowdown = put(np.asarray(slowdown, np.float32))
-  if resize is not None:
-    resize = jax.tree.map(put, resize)
-  if offload is not None:
-    offload = _offload_plans(layout, mesh, offload)
-  return Plan(active, slowdown, tuple(kind_widths.items()),
-              tuple(sorted((unit_ms or {}).items())), resize, offload)
+  return kind_widths
+
+
+def executed_widths(layout: layout_lib.Layout, num_layers: int, *, resize=None, offload=None,
+                    widths: dict | None = None) -> dict:
+  """{kind: float64 [N, L]}: the width each tensor device executes in each layer's block.
+
+  The host's mirror of what `tp.row_parallel` selects on the device (same arguments as
+  `make_plan`, with the host `resize`): exact, the smallest compiled width >= its active count;
+  resized in units mode, that of its kept count; in contraction mode, its active width times
+  the compiled keep fraction; with offload, the width >= what it keeps plus one chunk for every
+  round in which it computes a straggler's units.
+  """
+  out = {}
+  for kind, u in layout.kinds().items():
+    w = np.asarray(_widths(layout, widths)[kind], np.float64)
+    bucket = lambda c: w[np.minimum(np.searchsorted(w, c), len(w) - 1)]
+    active = np.asarray(u.active)
+    executed = np.repeat(bucket(active)[:, None], num_layers, axis=1)
+    if offload is not None:
+      rounds, chunk = offload_lib.static_shape(u)
+      p = offload_lib.make_plan(u, offload.get(kind, {}), chunk=chunk, rounds=rounds)
+      helped = (np.asarray(p.count) > 0).sum(1)
+      executed = np.repeat((bucket(np.asarray(p.keep)) + chunk * helped)[:, None], num_layers,
+                           axis=1)
+    elif resize is not None:
+      kept = np.asarray(resize.kept[kind])                               # [N, L]
+      if resize.mode == "units":
+        executed = np.where(kept < active[:, None], bucket(kept), executed)
+      else:
+        d_model = np.asarray(resize.feats[kind]).shape[-1]
+        cut = (kept < active[:, None]) | (np.asarray(resize.feats_kept[kind]) < d_model)
+        fraction = np.asarray(resize.fractions)[np.asarray(resize.frac[kind])]
+        executed = np.where(cut, executed * fraction, executed)
+    out[kind] = executed
+  return out
 
 
 def branch_plans(plan: Plan, mesh: jax.sharding.Mesh) -> list[Plan]:

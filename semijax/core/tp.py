@@ -3,7 +3,8 @@
 `row_parallel` is what the model layers call inside `jax.shard_map`. It runs this device's
 partial block (`kernels.mlp_partial`, `kernels.attention_partial`) at its bucket width, or its
 ZERO-resized variant (`plan.resize`), or the authors' offload path (`plan.offload`, see
-`core.offload`), charges the emulated straggler delay (`core.emulation`), and all-reduces.
+`core.offload`), and all-reduces. (`plan.executed_widths` mirrors, on the host, the width each
+device executes here.)
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from semijax.core import emulation
 from semijax.core import kernels
 from semijax.core import mesh as mesh_lib
 from semijax.core import offload as offload_lib
 from semijax.core.plan import Plan
 
 def _resized(plan: Plan, kind: str, fn: Callable, x, weights, active):
-  """(partial output, executed width) of one device under a `resize.Resize` plan.
+  """The partial output of one device under a `resize.Resize` plan.
 
   Branches: the exact block at every bucket width (a device that is not resized runs exactly
   the code of a plan without resizing, so keep 1.0 changes nothing, bit for bit), then the
@@ -60,9 +60,7 @@ def _resized(plan: Plan, kind: str, fn: Callable, x, weights, active):
 
   variants = tuple((True, w, 1.0) for w in widths) + tuple((False, w, f) for w, f in cuts)
   index = jnp.where(resized, len(widths) + cut_index, kernels.bucket_index(active, widths))
-  y = kernels.at_bucket(index, variants, run, x, *weights, order, kept, feats, feats_kept)
-  executed = jnp.asarray([w * f for _, w, f in variants], jnp.float32)[index]
-  return y, executed
+  return kernels.at_bucket(index, variants, run, x, *weights, order, kept, feats, feats_kept)
 
 
 def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights, units=None):
@@ -78,7 +76,7 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights, units=None):
       when `plan.offload` is set (helpers gather the offloaded units of every weight).
 
   With `plan.offload`, the device computes its kept units at their bucket width and the units
-  it helps with at the offload chunk width; the emulated sleep charges both.
+  it helps with at the offload chunk width.
 
   Returns:
     The full block output, replicated over `tensor`.
@@ -93,15 +91,9 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights, units=None):
     if units is None or len(units) != len(weights):
       raise ValueError(f"tp.row_parallel.units: offload needs (axis, unit size) for each of the "
                        f"{len(weights)} weights of {kind}, got {units!r}")
-    y, executed = offload_lib.block_partial(plan.offload[kind], widths, fn, x, weights, units)
+    y, _ = offload_lib.block_partial(plan.offload[kind], widths, fn, x, weights, units)
   elif plan.resize is None:
     y = kernels.at_width(active, widths, fn, x, *weights, active)
-    executed = jnp.asarray(widths, jnp.float32)[kernels.bucket_index(active, widths)]
   else:
-    y, executed = _resized(plan, kind, fn, x, weights, active)
-  if plan.slowdown is not None:
-    # The delay depends on y (times zero), so the sleep runs after this block's compute: a delay
-    # of plan data only lets XLA run the sleeps of several blocks at once (seen with offload).
-    after = jax.lax.stop_gradient(y[(0,) * y.ndim] * 0).astype(jnp.float32)
-    y = emulation.straggle(y, plan.unit_ms_of(kind) * executed * plan.slowdown[0] + after)
+    y = _resized(plan, kind, fn, x, weights, active)
   return jax.lax.psum(y, mesh_lib.TENSOR)

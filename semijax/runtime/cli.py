@@ -8,7 +8,9 @@
   * `one_line_errors()`, around the body of `main`: an `errors.InputError` (bad input the user can
     fix) or a FloatingPointError (a NaN loss) ends the program with its message as one line on
     stderr and exit status 1. Anything else is a bug and keeps its traceback.
-  * `use_compilation_cache(cache_dir(flag))`: JAX's persistent compilation cache for every program.
+  * `define_cache_flags()` and `apply_cache_flags(...)`: --compilation_cache (default on) and
+    --compilation_cache_dir: JAX's persistent compilation cache for every program, so that a
+    rerun of the same setup loads its programs instead of compiling them.
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ import jax
 
 from semijax import errors
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
 def default_cache_dir() -> str:
   """$XDG_CACHE_HOME/semijax/jax, or ~/.cache/semijax/jax."""
   cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -43,12 +42,28 @@ def cache_dir(flag_value: str | None) -> str:
 def use_compilation_cache(directory: str) -> None:
   """JAX's persistent compilation cache in `directory`, for every program however fast.
 
-  Programs that call back to the host (the emulated slowdown's sleep) are never written.
+  (JAX never writes a program that calls back to the host; semijax's steps have no callback.)
   """
   jax.config.update("jax_compilation_cache_dir", directory)
   # Most of our programs compile in under JAX's default threshold of 1 s, which skips them.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def define_cache_flags():
+  """Defines --compilation_cache and --compilation_cache_dir (for an entry point's module level);
+  returns their holders for `apply_cache_flags`."""
+  return (flags.DEFINE_bool("compilation_cache", True,
+                            "Keep compiled programs in --compilation_cache_dir for later runs."),
+          flags.DEFINE_string("compilation_cache_dir", None, "JAX's persistent compilation cache;"
+                              f" default: $JAX_COMPILATION_CACHE_DIR if set, else "
+                              f"{default_cache_dir()}."))
+
+
+def apply_cache_flags(cache, directory) -> None:
+  """Turns the persistent compilation cache on as the flags of `define_cache_flags` say."""
+  if cache.value:
+    use_compilation_cache(cache_dir(directory.value))
 
 
 @contextlib.contextmanager
@@ -127,7 +142,7 @@ def unknown_override(error: Exception, argv: list[str]) -> str | None:
 
 
 def quiet_libraries(record: std_logging.LogRecord) -> bool:
-  """Keeps warnings and the lines of semijax and the main script; drops other INFO (Orbax's)."""
+  """Keeps warnings and the main script's lines; drops the libraries' INFO (Orbax's, and
+  semijax's own: the training loop prints what a user needs to the console)."""
   main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-  return (record.levelno >= std_logging.WARNING or record.pathname.startswith(_PACKAGE_DIR)
-          or record.pathname == main_file)
+  return record.levelno >= std_logging.WARNING or record.pathname == main_file

@@ -117,7 +117,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()   # name + the fields of models.REGISTRY[name].FIELDS
   c.data = ml_collections.ConfigDict()
-  c.data.name = ""                 # gpt: see data.TEXT_DATA; vit: "digits" | "npy".
+  c.data.name = ""                 # gpt: "pydoc" | "stdlib" | "text_file"; vit: "digits" | "npy".
   c.data.path = ""                 # text_file: a UTF-8 or binary file of training text.
   c.data.images = ""               # npy: images [N, H, W(, C)].
   c.data.labels = ""               # npy: int labels [N].
@@ -135,8 +135,8 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   for item in filter(None, (arg or "").split(",")):
     key, _, value = item.partition("=")
     if key not in defaults:
-      raise ConfigError(f"config argument: unknown option {key!r}; known options: "
-                        f"{sorted(defaults)}")
+      raise ConfigError(f"config argument: unknown option {key!r} after the colon; this config "
+                        f"file's options are {sorted(defaults)}")
     kind = type(defaults[key])
     if kind is bool:
       out[key] = value.lower() not in ("0", "false", "no") if value else True

@@ -46,21 +46,26 @@ def say(message: str) -> None:
 
 
 def build_engine(run: config_lib.RunConfig) -> engine_lib.Engine:
-  """The engine of a run (model, optimizer, mesh, emulated slowdown costs)."""
+  """The engine of a run (model, optimizer, mesh)."""
   model_fn, loss_terms = models.build(run.model)
-  unit_ms = None
-  if run.hetero.slowdown is not None:
-    tokens = run.batch_size // run.mesh.data * run.model.seq_len
-    unit_ms = emulation.unit_ms(run.model.flops_per_unit(), tokens, run.hetero.device_gflops)
   return engine_lib.Engine(model_fn, loss_terms, run.mesh.make(),
-                           optimizer_lib.make(run.optimizer, run.steps), unit_ms=unit_ms)
+                           optimizer_lib.make(run.optimizer, run.steps))
+
+
+def build_emulator(run: config_lib.RunConfig) -> emulation.Emulator | None:
+  """The emulated slowdown of a run (`config.hetero.slowdown`), or None."""
+  if run.hetero.slowdown is None:
+    return None
+  tokens = run.batch_size // run.mesh.data * run.model.seq_len
+  return emulation.Emulator(run.hetero, emulation.unit_ms(run.model.flops_per_unit(), tokens,
+                                                          run.hetero.device_gflops))
 
 
 def _cached_engine(run: config_lib.RunConfig, cache: dict | None) -> engine_lib.Engine:
   """A new engine, or one of `cache` whose model, mesh, optimizer and emulation match."""
   if cache is None:
     return build_engine(run)
-  key = (run.model, run.mesh, run.optimizer, run.hetero, run.steps, run.batch_size)
+  key = (run.model, run.mesh, run.optimizer, run.steps, run.batch_size)
   if key not in cache:
     cache[key] = build_engine(run)
   return cache[key]
@@ -125,7 +130,7 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     balancer = coordinator_lib.Balancer.create(
         engine, settings=run.balance, resize_spec=run.resize, hetero=run.hetero, spec=run.model,
         layout=run.layout, workdir=workdir, steps_per_epoch=dataset.steps_per_epoch,
-        seed=run.seed)
+        seed=run.seed, emulator=build_emulator(run))
     stack.callback(balancer.close)
     ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=run.keep_checkpoints)
@@ -167,13 +172,15 @@ def _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_war
     t1 = time.perf_counter()
     state, m = engine.train_step(state, batch, plan)
     loss = float(m["loss"])                          # waits for the step
+    balancer.emulate()                               # an emulated straggler's extra time
     balance_scalars = balancer.after_step(step - 1, time.perf_counter() - t1)
     dt = time.perf_counter() - t0                    # the step and everything balancing costs
     if not math.isfinite(loss):
       writer.write(step, {"train/loss": loss})
+      saved = (f"The last good checkpoint (step {last_saved}) in {ckpt.directory} is intact"
+               if last_saved else "No checkpoint was saved yet")
       raise FloatingPointError(
-          f"train/loss is {loss} at step {step}: training stopped. The last good checkpoint "
-          f"(step {last_saved}) in {ckpt.directory} is intact; lower "
+          f"train/loss is {loss} at step {step}: training stopped. {saved}; lower "
           "config.optimizer.learning_rate or check the data.")
     step_times.append(dt)
     losses.append(loss)

@@ -1,5 +1,6 @@
 """Emulated heterogeneity: the profile over time and its validation."""
 
+import numpy as np
 import pytest
 
 from semijax.core import emulation
@@ -26,3 +27,22 @@ def test_rotating_slowdown_profile():
 def test_bad_emulation_settings_name_their_field(hetero, match):
   with pytest.raises(ConfigError, match=r"^config\.hetero\." + match):
     hetero.validate(2)
+
+
+def test_delay_is_the_sum_over_blocks_of_the_slowest_device():
+  # 2 devices, 2 layers; mlp widths executed (8, 4) in layer 0 and (8, 8) in layer 1, heads
+  # (2, 1) in both; device 1 is 3x slower. Per block, the slowest device's time:
+  #   mlp  layer 0: max(1*8*1, 1*4*3) = 12; layer 1: max(8, 24) = 24
+  #   heads each layer: max(10*2*1, 10*1*3) = 30
+  emu = emulation.Emulator(emulation.Hetero((1.0, 3.0)), {"mlp": 1.0, "heads": 10.0})
+  executed = {"mlp": np.array([[8, 8], [4, 8]]), "heads": np.array([[2, 2], [1, 1]])}
+  assert emu.delay_s(0, executed) == pytest.approx((12 + 24 + 30 + 30) / 1e3)
+  # Rotated profile (every step): device 0 is the slow one at step 1.
+  emu = emulation.Emulator(emulation.Hetero((1.0, 3.0), rotate_every=1), {"mlp": 1.0,
+                                                                          "heads": 10.0})
+  assert emu.delay_s(1, executed) == pytest.approx((24 + 24 + 60 + 60) / 1e3)
+
+
+def test_unit_ms_charges_forward_and_backward():
+  ms = emulation.unit_ms({"mlp": 4e3}, tokens_per_device=1000, device_gflops=2.0)
+  assert ms["mlp"] == pytest.approx(emulation.FWD_BWD_FACTOR * 4e3 * 1000 / 2e9 * 1e3)

@@ -24,6 +24,7 @@ from semijax.core import kernels
 from semijax.core import layout as L
 from semijax.core import mesh as mesh_lib
 from semijax.core import offload
+from semijax.core import plan as plan_lib
 from semijax.models import gpt
 from semijax.models import tasks
 
@@ -228,6 +229,10 @@ def test_block_partial_charges_kept_bucket_plus_helped_chunks(setup):
   np.testing.assert_array_equal(np.asarray(executed), np.asarray(own) + chunk * helped)
   for d in s["offloads"]["mlp"]:   # the stragglers execute less than without offload
     assert executed[d] < u.executed_widths()[d]
+  # The host's mirror (what the emulation charges) agrees with the device.
+  layout = L.Layout(mlp=u, heads=L.UnitLayout.even("heads", 8, N))
+  host = plan_lib.executed_widths(layout, 2, offload={"mlp": s["offloads"]["mlp"]})
+  np.testing.assert_array_equal(host["mlp"], np.repeat(np.asarray(executed)[:, None], 2, 1))
 
 
 # --- wired into training ------------------------------------------------------------------------

@@ -5,6 +5,8 @@ can then be compiled with that width alone (no `lax.switch`, no rematerializatio
 the same logits and gradients as the branched step, compared here against the dense reference.
 """
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -94,3 +96,34 @@ def test_one_engine_runs_the_same_widths_at_two_capacities():
     _, m = eng.train_step(state, batch, eng.plan(layout, widths=plan_lib.uniform_widths(layout)))
     losses.append(float(m["loss"]))
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+
+
+def test_executed_widths_on_the_host_follow_the_resize_mode():
+  # Widths (6, 12, 18, 24) for 12 owned MLP units per device; device 0 resized to keep 5 of them
+  # in layer 0 (units mode: width 6), nothing skipped in layer 1.
+  layout = bucketed_even()
+  n = layout.num_devices
+  kept = np.full((n, 2), 12)
+  kept[0, 0] = 5
+  resize = types.SimpleNamespace(mode="units", kept={"mlp": kept, "heads": np.full((n, 2), 2)})
+  got = plan_lib.executed_widths(layout, 2, resize=resize)
+  want = np.full((n, 2), 12.0)
+  want[0, 0] = 6.0
+  assert layout.mlp.widths == (6, 12, 18, 24)
+  np.testing.assert_array_equal(got["mlp"], want)
+  np.testing.assert_array_equal(plan_lib.executed_widths(layout, 2)["mlp"], np.full((n, 2), 12.0))
+  # Contraction mode: a resized device executes its active width times the compiled fraction.
+  frac = np.zeros((n, 2), int)
+  frac[1, 1] = 0                      # fraction 0.5 where device 1 skips features in layer 1
+  feats_kept = np.full((n, 2), 32)
+  feats_kept[1, 1] = 16
+  contraction = types.SimpleNamespace(
+      mode="contraction", fractions=(0.5, 1.0), kept={k: np.full((n, 2), c) for k, c in
+                                                      (("mlp", 12), ("heads", 2))},
+      feats={k: np.zeros((n, 2, 32)) for k in ("mlp", "heads")},
+      feats_kept={k: feats_kept for k in ("mlp", "heads")},
+      frac={k: frac for k in ("mlp", "heads")})
+  got = plan_lib.executed_widths(layout, 2, resize=contraction)
+  want = np.full((n, 2), 12.0)
+  want[1, 1] = 6.0
+  np.testing.assert_array_equal(got["mlp"], want)

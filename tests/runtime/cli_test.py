@@ -2,6 +2,7 @@
 
 import logging
 import os
+import sys
 
 from absl import flags
 import jax
@@ -89,12 +90,14 @@ def _record(level, pathname):
   return logging.LogRecord("absl", level, pathname, 1, "message", (), None)
 
 
-def test_quiet_libraries_hides_only_other_libraries_info():
-  ours = os.path.join(os.path.dirname(os.path.dirname(cli.__file__)), "core", "engine.py")
+def test_quiet_libraries_keeps_warnings_and_the_main_script():
+  library = os.path.join(os.path.dirname(os.path.dirname(cli.__file__)), "core", "engine.py")
   orbax = "/venv/site-packages/orbax/checkpoint/checkpoint_manager.py"
-  assert cli.quiet_libraries(_record(logging.INFO, ours))
+  main = getattr(sys.modules["__main__"], "__file__", None) or "/no/main.py"
+  assert not cli.quiet_libraries(_record(logging.INFO, library))
   assert not cli.quiet_libraries(_record(logging.INFO, orbax))
   assert cli.quiet_libraries(_record(logging.WARNING, orbax))
+  assert cli.quiet_libraries(_record(logging.INFO, main)) == (main != "/no/main.py")
 
 
 def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
