@@ -74,6 +74,6 @@ def test_attention_partial_heads_independent():
 def test_row_parallel_with_offload_needs_unit_axes():
   # The offload path gathers the offloaded units of every weight, so it needs their unit axes.
   x = jnp.ones((3, 8))
-  plan = plan_lib.Plan({"mlp": jnp.zeros((1,), jnp.int32)}, None, (("mlp", WIDTHS),), offload={})
+  plan = plan_lib.Plan({"mlp": jnp.zeros((1,), jnp.int32)}, (("mlp", WIDTHS),), offload={})
   with pytest.raises(ValueError, match=r"^tp.row_parallel.units: offload needs"):
     tp.row_parallel(plan, "mlp", kernels.mlp_partial, x, *_mlp_weights(jax.random.key(0)))
