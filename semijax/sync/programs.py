@@ -174,21 +174,27 @@ class Programs:
     return engine_lib.TrainState(params, opt_state), terms
 
   def _outer(self, params, replicas: engine_lib.TrainState, momentum):
-    """The outer step of local SGD: (global params, replicas restarted from them, momentum).
-
-    "average": the global parameters become the replicas' mean. "nesterov" (DiLoCo): the
-    outer gradient delta = global - mean, momentum m <- mu m + delta, global <- global -
-    lr (delta + mu m).
-    """
-    s = self.settings
-    mean = jax.tree.map(lambda x: jnp.mean(x, 0), replicas.params)
-    if s.outer == "nesterov":
-      delta = jax.tree.map(jnp.subtract, params, mean)
-      momentum = jax.tree.map(lambda m, d: s.outer_momentum * m + d, momentum, delta)
-      params = jax.tree.map(lambda p, d, m: p - s.outer_lr * (d + s.outer_momentum * m),
-                            params, delta, momentum)
-    else:
-      params = mean
+    """The outer step of local SGD (`outer_step`): (global params, replicas restarted from
+    them, momentum)."""
+    params, momentum = outer_step(self.settings, params, replicas.params, momentum)
     replicas = engine_lib.TrainState(self._broadcast(params, self.stacked_params),
                                      replicas.opt_state)
     return params, replicas, momentum
+
+
+def outer_step(settings: settings_lib.SyncSettings, params, stacked, momentum):
+  """Local SGD's outer step from the replicas' parameters `stacked` [R, *P]: (new global
+  parameters [*P], new momentum [*P]).
+
+  "average": the global parameters become the replicas' mean. "nesterov" (DiLoCo): the outer
+  gradient delta = global - mean; momentum m <- mu m + delta; global <- global - lr (delta +
+  mu m) (SGD with Nesterov momentum, as torch.optim.SGD(nesterov=True) computes it).
+  """
+  mean = jax.tree.map(lambda x: jnp.mean(x, 0), stacked)
+  if settings.outer != "nesterov":
+    return mean, momentum
+  mu, lr = settings.outer_momentum, settings.outer_lr
+  delta = jax.tree.map(jnp.subtract, params, mean)
+  momentum = jax.tree.map(lambda m, d: mu * m + d, momentum, delta)
+  params = jax.tree.map(lambda p, d, m: p - lr * (d + mu * m), params, delta, momentum)
+  return params, momentum

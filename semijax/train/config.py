@@ -32,6 +32,7 @@ from semijax.core import resize as resize_lib
 from semijax.core import spec as spec_lib
 from semijax.errors import ConfigError
 from semijax.errors import LayoutError
+from semijax.sync import settings as sync_settings_lib
 from semijax.train import data as data_lib
 from semijax.train import optimizer as optimizer_lib
 
@@ -63,6 +64,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.hetero.device_gflops = 2.0     # Emulated FLOP rate of a nominal device (GFLOP/s).
   c.hetero.rotate_every = 0        # Steps between shifts of the slowdown profile by one device
                                    # ((8,1,...,1) rotating = the authors' dynamic straggler); 0 = static.
+  c.hetero.replica_slowdown = ()   # Per data replica slowdown factors (x its tensor group's
+                                   # emulated time); () = none. A sync step waits for the slowest.
 
   # Balancing (semijax.balance; BalanceSettings documents every field): who computes how much.
   c.balance = ml_collections.ConfigDict()
@@ -106,6 +109,24 @@ def base_config() -> ml_collections.ConfigDict:
   c.resize.epoch_steps = 0         # Steps per rotation "epoch"; 0 = one pass over the data.
   c.resize.refresh_every = 0       # Steps between priority refreshes; 0 = epoch_steps.
   c.resize.fractions = resize_lib.DEFAULT_FRACTIONS   # contraction: compiled keep fractions.
+
+  # Data-parallel synchronization (semijax.sync; SyncSettings documents every field).
+  c.sync = ml_collections.ConfigDict()
+  c.sync.mode = "sync"             # sync | ssaw | async | local_sgd
+  c.sync.staleness_bound = 4       # ssaw, async: a gradient is applied at most this many
+                                   # updates after the version it was computed on
+  c.sync.grace = 0.25              # ssaw: a round also waits for replicas within (1 + grace) x
+                                   # the first fresh arrival's compute time
+  c.sync.weighting = "poly"        # ssaw: weight = samples x (1 + staleness)^-staleness_power
+                                   # ("poly"), x staleness_decay^staleness ("exp"), or samples
+                                   # alone ("samples")
+  c.sync.staleness_power = 1.0
+  c.sync.staleness_decay = 0.5
+  c.sync.lr_batch_power = 0.5      # ssaw: lr x (weights / batch_size)^power (Adam's sqrt rule)
+  c.sync.local_steps = 8           # local_sgd: local steps between averages (H)
+  c.sync.outer = "average"         # local_sgd: "average" or "nesterov" (DiLoCo's outer optimizer)
+  c.sync.outer_lr = 0.7            # ... its learning rate
+  c.sync.outer_momentum = 0.9      # ... and momentum
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 3e-3
@@ -171,6 +192,7 @@ class RunConfig:
     hetero: emulated heterogeneity. resize: whom (a fixed schedule) and how to resize.
     balance: the balancing policy and its knobs. optimizer, data: their settings.
     source: the config as a plain dict (what workdir/config.json records).
+    sync: how data-parallel replicas combine (`config.sync`, `hetero.replica_slowdown`).
   """
 
   seed: int
@@ -189,6 +211,7 @@ class RunConfig:
   optimizer: optimizer_lib.OptimizerSpec
   data: data_lib.DataSpec
   source: dict = dataclasses.field(compare=False, repr=False)
+  sync: sync_settings_lib.SyncSettings = sync_settings_lib.SyncSettings()
 
 
 def _check_keys(node, schema: dict, prefix: str) -> None:
@@ -311,9 +334,48 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   optimizer = optimizer_lib.OptimizerSpec(o.learning_rate, o.warmup_steps, o.weight_decay, o.b1,
                                           o.b2, o.grad_clip).validate()
   data = data_lib.DataSpec.from_config(config)
+  sync = _sync(config, mesh, balance, resize, num_devices, process_count)
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
-                   spec, layout, hetero, resize, balance, optimizer, data, config.to_dict())
+                   spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
+                   sync=sync)
+
+
+# Balancing policies whose steps a replica mode can run: they change no layout while training
+# (a migration would have to move the replicas' in-flight state too) and never resize (a late
+# gradient would be applied to units that were skipped when it was computed).
+REPLICA_MODE_POLICIES = ("even", "static")
+
+
+def _sync(config, mesh: mesh_lib.MeshSpec, balance: settings_lib.BalanceSettings,
+          resize: resize_spec_lib.ResizeSpec, num_devices: int | None,
+          process_count: int) -> sync_settings_lib.SyncSettings:
+  """`config.sync` and `config.hetero.replica_slowdown` -> validated `SyncSettings`."""
+  known = {f.name for f in dataclasses.fields(sync_settings_lib.SyncSettings)}
+  replicas = parse_numbers(config.hetero.replica_slowdown,
+                           "config.hetero.replica_slowdown") or None
+  sync = sync_settings_lib.SyncSettings(
+      **{k: v for k, v in config.sync.items() if k in known},
+      replica_slowdown=replicas).validate(mesh.data)
+  if sync.mode == "sync":
+    return sync
+  if balance.policy not in REPLICA_MODE_POLICIES or resize.scheduled:
+    raise ConfigError(f"config.balance.policy: sync.mode {sync.mode!r} runs with policies "
+                      f"{list(REPLICA_MODE_POLICIES)} and no resize schedule, not "
+                      f"{balance.policy!r}: migrations and resizing do not yet carry the "
+                      "replicas' in-flight state")
+  if process_count > 1:
+    if mesh.data != process_count:
+      raise ConfigError(f"config.mesh.data: sync.mode {sync.mode!r} over {process_count} "
+                        f"processes runs one replica per process; got mesh.data = {mesh.data}")
+    if num_devices is not None and mesh.tensor * process_count != num_devices:
+      raise ConfigError(f"config.mesh.tensor: each process's {num_devices // process_count} "
+                        f"devices form its replica's tensor group; got mesh.tensor = "
+                        f"{mesh.tensor}")
+    if sync.replica_slowdown is not None:
+      raise ConfigError("config.hetero.replica_slowdown: emulates replicas in one process; "
+                        "with several processes their real speeds count")
+  return sync
 
 
 def _resize(r, num_devices: int) -> resize_spec_lib.ResizeSpec:

@@ -18,6 +18,7 @@ decision log are closed on every path out, a NaN loss and an exception included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -37,6 +38,8 @@ from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
+from semijax.train import replica_loop
+from semijax.train import replica_processes
 
 
 def say(message: str) -> None:
@@ -53,12 +56,21 @@ def build_engine(run: config_lib.RunConfig) -> engine_lib.Engine:
 
 
 def build_emulator(run: config_lib.RunConfig) -> emulation.Emulator | None:
-  """The emulated slowdown of a run (`config.hetero.slowdown`), or None."""
-  if run.hetero.slowdown is None:
+  """The emulated slowdown of a run (`config.hetero.slowdown`, `hetero.replica_slowdown`), or
+  None. Emulated replicas need an emulator even without a tensor profile (their tensor groups'
+  time is the unit their factors multiply); a sync step waits for the slowest replica, so under
+  mode sync every tensor device's time is multiplied by the largest replica factor."""
+  slowdown, replicas = run.hetero.slowdown, run.sync.replica_slowdown
+  if slowdown is None and replicas is None:
     return None
+  hetero = run.hetero
+  if replicas is not None:
+    factor = max(replicas) if run.sync.mode == "sync" else 1.0
+    hetero = dataclasses.replace(hetero, slowdown=tuple(
+        s * factor for s in (slowdown or (1.0,) * run.mesh.tensor)))
   tokens = run.batch_size // run.mesh.data * run.model.seq_len
-  return emulation.Emulator(run.hetero, emulation.unit_ms(run.model.flops_per_unit(), tokens,
-                                                          run.hetero.device_gflops))
+  return emulation.Emulator(hetero, emulation.unit_ms(run.model.flops_per_unit(), tokens,
+                                                      run.hetero.device_gflops))
 
 
 def _cached_engine(run: config_lib.RunConfig, cache: dict | None) -> engine_lib.Engine:
@@ -72,8 +84,8 @@ def _cached_engine(run: config_lib.RunConfig, cache: dict | None) -> engine_lib.
 
 
 def _restore_or_init(engine, ckpt, run: config_lib.RunConfig, layout):
-  """(padded state, start step, balancer state) from the latest checkpoint in workdir, or
-  fresh from the seed."""
+  """(padded state, start step, {"balance": host state, "snapshot": padded priority snapshot}
+  or None) from the latest checkpoint in workdir, or fresh from the seed."""
   step = ckpt.latest_step()
   if step is None:
     return engine.init(run.seed, layout), 0, None
@@ -82,10 +94,28 @@ def _restore_or_init(engine, ckpt, run: config_lib.RunConfig, layout):
     raise ConfigError(
         f"config.model: the checkpoint at step {step} in {ckpt.directory} was trained with model "
         f"{meta.get('model')}, not {run.model.to_dict()}; use another --workdir")
-  logical, meta = ckpt.restore(engine.abstract_logical(), step)
+  abstract = engine.abstract_logical()
+  logical, meta = ckpt.restore(abstract, step)
   say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with MLP units "
       f"{_counts(meta['layout'], 'mlp')}), continuing to step {run.steps}")
-  return engine.to_padded(logical, layout), int(meta["data_position"]), ckpt.restore_extra(step)
+  snapshot = ckpt.restore_snapshot(abstract.params, step)
+  extra = {"balance": ckpt.restore_extra(step), "snapshot": None if snapshot is None else
+           engine.to_padded(snapshot, layout, donate=True)}
+  return engine.to_padded(logical, layout, donate=True), int(meta["data_position"]), extra
+
+
+def _save(ckpt, engine, balancer, state, step: int, meta: dict):
+  """Saves a checkpoint; returns the state. The state (and a priority snapshot) go through the
+  sharded logical form in place (donated group by group), so no device holds two copies."""
+  layout = balancer.layout
+  logical = engine.to_logical(state, layout, donate=True)
+  snapshot = balancer.snapshot
+  if snapshot is not None:
+    snapshot = engine.to_logical(snapshot, layout, donate=True)
+  ckpt.save(step, logical, meta, balancer.state_dict(), snapshot)
+  if snapshot is not None:
+    balancer.snapshot = engine.to_padded(snapshot, layout, donate=True)
+  return engine.to_padded(logical, layout, donate=True)
 
 
 def _counts(layout_json: dict, kind: str) -> tuple:
@@ -136,9 +166,18 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
                                        keep=run.keep_checkpoints)
     stack.callback(ckpt.close)
     state, start, extra = _restore_or_init(engine, ckpt, run, balancer.layout)
-    balancer.load_state_dict(extra)
+    if extra is not None:
+      balancer.load_state_dict(extra["balance"])
+      if extra["snapshot"] is not None:
+        balancer.snapshot = extra["snapshot"]
     writer = stack.enter_context(metrics_lib.MetricWriter(workdir, resume_step=start))
     writer.write_config(run.source)
+    if run.sync.mode != "sync" and jax.process_count() > 1:    # one replica per process
+      return replica_processes.train(run, engine, writer, state, start,
+                                     after_warmup=after_warmup, evaluate=_evaluate)
+    if run.sync.mode != "sync":     # emulated replicas that do not step together
+      return replica_loop.train(run, engine, balancer, ckpt, writer, dataset, state, start,
+                                extra, after_warmup=after_warmup, evaluate=_evaluate)
     return _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_warmup)
 
 
@@ -207,7 +246,7 @@ def _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_war
     if (run.checkpoint_every and step % run.checkpoint_every == 0) or step == run.steps:
       meta = {"data_position": step, "layout": balancer.layout.to_json(),
               "model": run.model.to_dict()}
-      ckpt.save(step, engine.to_logical(state, balancer.layout), meta, balancer.state_dict())
+      state = _save(ckpt, engine, balancer, state, step, meta)
       last_saved = step
   timed = step_times[1:] or step_times
   mean_dt = float(np.mean(timed)) if timed else float("nan")
