@@ -11,17 +11,26 @@ speeds (for bursts, to the time-weighted mean of the two).
 Emulated slowdowns (`run_emulated`, one process, 8 fake devices): the authors' static profile
 (8, 6, 4, 2, 1, 1, 1, 1) and their rotating straggler (8 on one device, moving every few steps).
 
-Each run trains the same model from the same seed for the same number of steps, so final
-validation losses are comparable with the `none` / `even` run. `summarize` turns the raw runs
-into the results: tokens/s, ratios to `even` and to the oracle (`static`) of the same scenario,
-final validation loss and its difference to the baseline, compilations after warm-up, and the
-controller's decisions.
+This machine drifts (other jobs, heat, the page cache), so every cell runs in `rounds`
+interleaved rounds (`round_orders`): a round runs every policy of a scenario once, and the
+order of the policies rotates from round to round, so that drift hits every policy alike.
+Round r trains from seed `base seed + r`, for every policy: within a round every run starts from
+the same model and data order (the paired baseline), and the rounds are the seeds of the
+accuracy figures. Each run evaluates `EVALS_PER_RUN` times, off the clock, for the time to reach
+`even`'s final validation loss.
+
+`summarize` turns the raw runs into the results (`summarize_cell`): medians of tokens/s with
+their min-max spread, ratios to `even` and to the oracle (`static`) of the same scenario (of
+medians, and the median of the per-round paired ratios), final validation loss (median and
+mean) against `even`'s, the time to reach `even`'s final validation loss, compilations after
+warm-up and the controller's decisions; and every run's own figures (`runs`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import time
@@ -36,6 +45,7 @@ from semijax.runtime import contention
 from semijax.runtime import distributed
 from semijax.train import config as config_lib
 from semijax.train import loop as train
+from semijax.train import metrics as metrics_lib
 
 SCENARIOS = ("none", "steady", "bursts")
 EMULATED = ("static_profile", "rotating")
@@ -43,14 +53,19 @@ POLICIES = ("even", "static", "resize", "migrate", "offload", "semi")
 PROFILE = (8.0, 6.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0)
 ROTATING = (8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 SAME_SPEED = 0.9     # oracle speeds all at least this (relative): the cores are equal
+ROUNDS = 3           # runs of every cell, in interleaved rounds
+EVALS_PER_RUN = 8    # validation points of every run (the time to reach a loss)
+# A run has reached a validation loss within this relative tolerance: runs of exactly the same
+# model on different layouts differ by float rounding (about 1e-6), not by more.
+LOSS_TOL = 1e-4
 
 
 def _bench_config(arg: str, steps: int, log_every: int, num_widths: int):
-  """gpt_tiny (config argument `arg`) for benchmark runs: one evaluation at the end, no
+  """gpt_tiny (config argument `arg`) for benchmark runs: `EVALS_PER_RUN` evaluations, no
   checkpoints but the last, `num_widths` compute widths in the dynamic policies' bucket."""
   c = config_lib.load(os.path.join(_root(), "configs", "gpt_tiny.py") + ":" + arg)
   c.steps = steps
-  c.eval_every = steps
+  c.eval_every = max(1, steps // EVALS_PER_RUN)
   c.log_every = log_every
   c.checkpoint_every = 0
   c.keep_checkpoints = 1
@@ -70,19 +85,21 @@ def real_config(quick: bool):
 
 def emulated_config(quick: bool, scenario: str):
   """gpt_tiny on 8 fake devices with an emulated slowdown profile."""
-  c = _bench_config("cpu", 16 if quick else 90, log_every=8, num_widths=8)
+  c = _bench_config("cpu", 16 if quick else 60, log_every=8, num_widths=8)
   c.model.num_layers = 1
   c.hetero.slowdown = PROFILE if scenario == "static_profile" else ROTATING
-  c.hetero.rotate_every = 0 if scenario == "static_profile" else (4 if quick else 15)
+  c.hetero.rotate_every = 0 if scenario == "static_profile" else (4 if quick else 10)
   return c
 
 
-def policy_config(base, policy: str, oracle_speeds):
-  """`base` for one policy; `static` gets the split proportional to `oracle_speeds` (the
-  oracle; even when every speed is within `SAME_SPEED` of the fastest, as for two idle cores
-  measured with noise), which compiles exactly its own widths."""
+def policy_config(base, policy: str, oracle_speeds, seed: int | None = None):
+  """`base` for one policy (and `seed`, if given); `static` gets the split proportional to
+  `oracle_speeds` (the oracle; even when every speed is within `SAME_SPEED` of the fastest, as
+  for two idle cores measured with noise), which compiles exactly its own widths."""
   c = copy.deepcopy(base)
   c.balance.policy = policy
+  if seed is not None:
+    c.seed = seed
   if oracle_speeds is not None and min(oracle_speeds) >= SAME_SPEED:
     oracle_speeds = [1.0] * len(oracle_speeds)     # equal cores measured with noise: even split
   if policy == "static":     # in granules of 1/64 of the units: odd GEMM widths run slower on CPU
@@ -93,8 +110,29 @@ def policy_config(base, policy: str, oracle_speeds):
   return c
 
 
+def round_orders(policies, rounds: int) -> list[list[str]]:
+  """The order of `policies` in each of `rounds` rounds: rotated by about len / rounds positions
+  per round (at least one), so that every policy runs early in one round and late in another."""
+  policies = list(policies)
+  n = max(len(policies), 1)
+  shifts = [(r % n if rounds >= n else (r * n) // rounds) for r in range(rounds)]
+  return [policies[s:] + policies[:s] for s in shifts]
+
+
 def _root() -> str:
   return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def val_curve(step_times_s, val_losses: dict) -> list[list[float]]:
+  """[[training seconds, step, validation loss], ...] at every evaluated step.
+
+  Args:
+    step_times_s: seconds of steps 1, 2, ... (every balancing cost included, evaluation not).
+    val_losses: {step: validation loss after that step}.
+  """
+  clock = np.concatenate([[0.0], np.cumsum(np.asarray(step_times_s, np.float64))])
+  return [[float(clock[min(s, len(clock) - 1)]), int(s), float(v)]
+          for s, v in sorted(val_losses.items())]
 
 
 def _run_record(summary: dict, workdir: str, extra: dict) -> dict:
@@ -106,15 +144,23 @@ def _run_record(summary: dict, workdir: str, extra: dict) -> dict:
       decisions = [json.loads(line) for line in f]
   changed = [{k: d[k] for k in ("step", "choice", "reason", "owned", "keep")}
              for d in decisions if d["changed"]]
+  metrics = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  losses = {int(m["step"]): m["val/loss"] for m in metrics if "val/loss" in m}
   b = summary["balance"]
   dt = np.asarray(summary["step_times_s"])
   tokens_per_step = summary["tokens_per_s"] * summary["mean_step_time_s"]
   return {"tokens_per_s": float(len(dt) * tokens_per_step / dt.sum()),   # all steps, all costs
-          "final_val_loss": summary["val/loss"], "compiles_after_warmup": b["compiles_after_warmup"],
-          "migrations": b["migrations"], "decisions": b.get("decisions", 0),
-          "changes": changed[:40], "measure_overhead": b.get("measure_overhead"),
+          "final_val_loss": summary["val/loss"],
+          "compiles_after_warmup": b["compiles_after_warmup"], "migrations": b["migrations"],
+          "decisions": b.get("decisions", 0), "changes": changed[:40],
+          "measure_overhead": b.get("measure_overhead"),
           "step_times_s": [round(t, 5) for t in dt.tolist()],
-          "final_counts": b["layout_counts"], **extra}
+          "val_curve": val_curve(dt, losses), "final_counts": b["layout_counts"], **extra}
+
+
+def _print_run(scenario: str, policy: str, r: int, record: dict) -> None:
+  print(f"[bench] round {r} {scenario:14s} {policy:8s} {record['tokens_per_s']:9.1f} tok/s  "
+        f"val {record['final_val_loss']:.4f}", flush=True)
 
 
 # --- real contention (runs inside each launched process) -----------------------------------------
@@ -144,9 +190,9 @@ def measure_speeds(probe, core: int, pattern: str, seconds: float) -> tuple[np.n
 
 
 def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, off_s: float,
-                    core: int = 1) -> None:
+                    rounds: int = ROUNDS, core: int = 1) -> None:
   """One process of the real-contention benchmark (see module doc); process 0 writes
-  out/real_raw.json."""
+  out/real_raw.json (after every run, so that a run cut short keeps what it measured)."""
   distributed.initialize()
   jax.config.update("jax_compilation_cache_dir", os.path.join(out, ".jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -158,157 +204,327 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
   times = {"none": t_off, "steady": t_on, "bursts": (on_s * t_on + off_s * t_off) / (on_s + off_s)}
   speeds = {k: v.min() / v for k, v in times.items()}
   cache: dict = {}
-  runs = {}
-  for scenario in scenarios:
-    runs[scenario] = {}
-    for policy in policies:
-      config = policy_config(base, policy, speeds[scenario])
-      workdir = os.path.join(out, "runs", scenario, policy)
-      if jax.process_index() == 0 and os.path.exists(workdir):
-        shutil.rmtree(workdir)
-      injector = None
-      if jax.process_index() == 0 and scenario != "none":
-        injector = contention.Injector(core, "steady" if scenario == "steady" else "bursts",
-                                       on_s=on_s, off_s=off_s)
-      try:
-        summary = train.train_and_evaluate(
-            config, workdir, engine_cache=cache,
-            after_warmup=None if injector is None else injector.start)
-      finally:
-        if injector is not None:
-          injector.stop()
-      extra = {"contention": None if injector is None else injector.to_json()}
-      runs[scenario][policy] = _run_record(summary, workdir, extra)
-      print(f"[bench] {scenario:7s} {policy:8s} {runs[scenario][policy]['tokens_per_s']:9.1f} "
-            f"tok/s  val {summary['val/loss']:.4f}", flush=True)
-  if jax.process_index() == 0:
-    raw = {"mode": "real", "quick": quick, "probe_device_ids": ids,
-           "speeds": {k: v.tolist() for k, v in speeds.items()},
-           "probe_times_s": {k: v.tolist() for k, v in times.items()},
-           "bursts": {"on_s": on_s, "off_s": off_s}, "config": json.loads(base.to_json()),
-           "runs": runs}
-    with open(os.path.join(out, "real_raw.json"), "w") as f:
-      json.dump(raw, f)
+  runs = {s: {p: [] for p in policies} for s in scenarios}
+  raw = {"mode": "real", "quick": quick, "rounds": rounds, "probe_device_ids": ids,
+         "speeds": {k: v.tolist() for k, v in speeds.items()},
+         "probe_times_s": {k: v.tolist() for k, v in times.items()},
+         "bursts": {"on_s": on_s, "off_s": off_s}, "config": json.loads(base.to_json()),
+         "orders": round_orders(policies, rounds), "runs": runs}
+  for r, order in enumerate(raw["orders"]):
+    for scenario in scenarios:
+      for position, policy in enumerate(order):
+        config = policy_config(base, policy, speeds[scenario], seed=base.seed + r)
+        workdir = os.path.join(out, "runs", scenario, policy, f"round{r}")
+        if jax.process_index() == 0 and os.path.exists(workdir):
+          shutil.rmtree(workdir)
+        injector = None
+        if jax.process_index() == 0 and scenario != "none":
+          injector = contention.Injector(core, "steady" if scenario == "steady" else "bursts",
+                                         on_s=on_s, off_s=off_s)
+        try:
+          summary = train.train_and_evaluate(
+              config, workdir, engine_cache=cache,
+              after_warmup=None if injector is None else injector.start)
+        finally:
+          if injector is not None:
+            injector.stop()
+        extra = {"round": r, "position": position, "seed": config.seed,
+                 "contention": None if injector is None else injector.to_json()}
+        record = _run_record(summary, workdir, extra)
+        runs[scenario][policy].append(record)
+        _print_run(scenario, policy, r, record)
+        if jax.process_index() == 0:
+          with open(os.path.join(out, "real_raw.json"), "w") as f:
+            json.dump(raw, f)
 
 
 # --- emulated slowdowns (one process, 8 fake devices) ------------------------------------------
 
 
-def run_emulated(out: str, *, quick: bool, scenarios, policies) -> dict:
-  """Runs the emulated scenarios in this process (needs 8 devices); writes out/emulated_raw.json."""
+def run_emulated(out: str, *, quick: bool, scenarios, policies, rounds: int = ROUNDS) -> dict:
+  """Runs the emulated scenarios in this process (needs 8 devices); writes out/emulated_raw.json
+  (after every run)."""
   cache: dict = {}
-  runs, speeds = {}, {}
+  runs = {s: {p: [] for p in policies} for s in scenarios}
+  speeds = {}
   for scenario in scenarios:
-    base = emulated_config(quick, scenario)
-    profile = np.asarray(base.hetero.slowdown, float)
+    hetero = emulated_config(quick, scenario).hetero
+    profile, rotating = np.asarray(hetero.slowdown, float), hetero.rotate_every
     # The oracle: proportional to the mean speed over the run (the rotation averages out).
-    mean_slowdown = profile if not base.hetero.rotate_every else np.full_like(profile,
-                                                                              profile.mean())
-    speeds[scenario] = (1.0 / mean_slowdown).tolist()
-    runs[scenario] = {}
-    for policy in policies:
-      config = policy_config(base, policy, speeds[scenario])
-      workdir = os.path.join(out, "runs", scenario, policy)
-      shutil.rmtree(workdir, ignore_errors=True)
-      summary = train.train_and_evaluate(config, workdir, engine_cache=cache)
-      runs[scenario][policy] = _run_record(summary, workdir, {})
-      print(f"[bench] {scenario:14s} {policy:8s} {runs[scenario][policy]['tokens_per_s']:9.1f} "
-            f"tok/s  val {summary['val/loss']:.4f}", flush=True)
-  raw = {"mode": "emulated", "quick": quick, "speeds": speeds, "runs": runs,
+    speeds[scenario] = (1.0 / (np.full_like(profile, profile.mean()) if rotating
+                               else profile)).tolist()
+  raw = {"mode": "emulated", "quick": quick, "rounds": rounds, "speeds": speeds,
+         "orders": round_orders(policies, rounds), "runs": runs,
          "profiles": {"static_profile": PROFILE, "rotating": ROTATING}}
-  with open(os.path.join(out, "emulated_raw.json"), "w") as f:
-    json.dump(raw, f)
+  for r, order in enumerate(raw["orders"]):
+    for scenario in scenarios:
+      base = emulated_config(quick, scenario)
+      for position, policy in enumerate(order):
+        config = policy_config(base, policy, speeds[scenario], seed=base.seed + r)
+        workdir = os.path.join(out, "runs", scenario, policy, f"round{r}")
+        shutil.rmtree(workdir, ignore_errors=True)
+        summary = train.train_and_evaluate(config, workdir, engine_cache=cache)
+        record = _run_record(summary, workdir, {"round": r, "position": position,
+                                                "seed": config.seed})
+        runs[scenario][policy].append(record)
+        _print_run(scenario, policy, r, record)
+        with open(os.path.join(out, "emulated_raw.json"), "w") as f:
+          json.dump(raw, f)
   return raw
 
 
 # --- results --------------------------------------------------------------------------------------
 
 
-def summarize(raw: dict, baseline: tuple[str, str]) -> dict:
-  """{SCENARIO: {POLICY: {tokens_per_s, ratio_vs_even, ratio_vs_oracle, final_val_loss,
-  val_loss_vs_baseline, compiles_after_warmup, ...}}} from raw runs; the oracle is `static`
-  and the baseline loss is the run `baseline` = (scenario, policy)."""
-  base_loss = raw["runs"].get(baseline[0], {}).get(baseline[1], {}).get("final_val_loss")
-  out = {}
-  for scenario, runs in raw["runs"].items():
-    even = runs.get("even", {}).get("tokens_per_s")
-    oracle = runs.get("static", {}).get("tokens_per_s")
-    out[scenario] = {}
-    for policy, r in runs.items():
-      tps = r["tokens_per_s"]
-      out[scenario][policy] = {
-          "tokens_per_s": tps,
-          "ratio_vs_even": tps / even if even else None,
-          "ratio_vs_oracle": tps / oracle if oracle else None,
-          "final_val_loss": r["final_val_loss"],
-          "val_loss_vs_baseline": (r["final_val_loss"] / base_loss - 1) if base_loss else None,
-          "compiles_after_warmup": r["compiles_after_warmup"],
-          "migrations": r["migrations"], "decisions": r["decisions"],
-          "measure_overhead": r["measure_overhead"], "final_counts": r["final_counts"],
-          "changes": r["changes"]}
+def median(values) -> float | None:
+  """The median of the numbers in `values` (None entries count as +infinity: "never"); None if
+  there are none, or if the median is infinite."""
+  v = [math.inf if x is None else float(x) for x in values]
+  if not v:
+    return None
+  m = float(np.median(v))
+  return m if math.isfinite(m) else None
+
+
+def spread(values) -> float | None:
+  """max / min - 1 of `values` (the noise of repeated runs); None with fewer than two."""
+  v = [float(x) for x in values if x is not None]
+  return max(v) / min(v) - 1 if len(v) > 1 and min(v) > 0 else None
+
+
+def time_to_loss(curve, target: float, tol: float = LOSS_TOL) -> float | None:
+  """Training seconds until the validation loss first reached `target` (within `tol`,
+  relative), interpolated linearly in time between evaluations; None if it never did.
+
+  Args:
+    curve: [[seconds, step, loss], ...] in step order (`val_curve`).
+  """
+  prev = None
+  for t, _, loss in curve:
+    if loss <= target * (1 + tol):     # reached: where the line between the points crosses it
+      if prev is None or prev[1] <= loss:
+        return float(t)
+      t0, l0 = prev
+      return float(t0 + (t - t0) * min(1.0, (l0 - target) / (l0 - loss)))
+    prev = (t, loss)
+  return None
+
+
+def _by_round(runs: list) -> dict:
+  return {r.get("round", i): r for i, r in enumerate(runs)}
+
+
+def paired_ratios(runs: list, reference: list, key: str = "tokens_per_s") -> list[float]:
+  """run / reference of `key` in every round both have (the paired per-round ratios)."""
+  ref = _by_round(reference)
+  return [r[key] / ref[k][key] for k, r in _by_round(runs).items()
+          if k in ref and r.get(key) and ref[k].get(key)]
+
+
+def times_to_reference_loss(runs: list, reference: list) -> list[float | None]:
+  """For each run, seconds to reach the final validation loss of the reference run of its round
+  (`time_to_loss`); rounds without a reference run use the median of the reference's losses."""
+  ref = _by_round(reference)
+  fallback = median([r["final_val_loss"] for r in reference])
+  out = []
+  for k, r in _by_round(runs).items():
+    target = ref[k]["final_val_loss"] if k in ref else fallback
+    curve = r.get("val_curve") or []
+    out.append(None if target is None or not curve else time_to_loss(curve, target))
   return out
 
 
-# Policies that run the even split when nobody is slow (offload runs its own step).
-SAME_SPLIT_POLICIES = ("even", "static", "resize", "migrate", "semi")
+def median_run(runs: list) -> dict:
+  """The run of median tokens/s (the upper one of an even count); {} without runs."""
+  if not runs:
+    return {}
+  return runs[int(np.argsort([r["tokens_per_s"] for r in runs], kind="stable")[len(runs) // 2])]
 
 
-def same_split_runs(results: dict, scenario: str = "none") -> dict:
-  """{policy: result} of `scenario`'s runs of `SAME_SPLIT_POLICIES` (in `none`, with an even
-  oracle, they all train the same split)."""
-  return {p: r for p, r in results.get(scenario, {}).items() if p in SAME_SPLIT_POLICIES}
+def _as_list(cell) -> list:
+  return cell if isinstance(cell, list) else [cell]
 
 
-def noise_spread(results: dict, scenario: str = "none") -> float | None:
-  """max / min - 1 of tokens/s over `same_split_runs` (the noise of one run); None with fewer
-  than two such runs."""
-  tps = [r["tokens_per_s"] for r in same_split_runs(results, scenario).values()]
-  return max(tps) / min(tps) - 1 if len(tps) > 1 else None
+def summarize_cell(runs: list, even: list, oracle: list) -> dict:
+  """The results of one (scenario, policy) cell from its runs and those of `even` and of the
+  oracle in the same scenario (see the module doc; ratios None where a reference is missing)."""
+  tps = [r["tokens_per_s"] for r in runs]
+  losses = [r["final_val_loss"] for r in runs]
+  even_tps, oracle_tps = median([r["tokens_per_s"] for r in even]), median(
+      [r["tokens_per_s"] for r in oracle])
+  even_loss = median([r["final_val_loss"] for r in even])
+  even_mean = float(np.mean([r["final_val_loss"] for r in even])) if even else None
+  reach = times_to_reference_loss(runs, even) if even else [None] * len(runs)
+  even_reach = dict(zip(_by_round(even), times_to_reference_loss(even, even))) if even else {}
+  # even's time / this run's, per round (0 for a run that never got there).
+  speedups = [even_reach[k] / t if t else 0.0 for k, t in zip(_by_round(runs), reach)
+              if even_reach.get(k)]
+  typical = median_run(runs)
+  tps_med = median(tps)
+  ratio = lambda a, b: a / b if a is not None and b else None
+  return {
+      "tokens_per_s": tps_med, "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+      "tokens_per_s_spread": spread(tps),
+      "ratio_vs_even": ratio(tps_med, even_tps), "ratio_vs_oracle": ratio(tps_med, oracle_tps),
+      "paired_ratio_vs_even": median(paired_ratios(runs, even)) if even else None,
+      "paired_ratio_vs_oracle": median(paired_ratios(runs, oracle)) if oracle else None,
+      "final_val_loss": median(losses), "final_val_loss_mean": float(np.mean(losses)),
+      "final_val_loss_std": float(np.std(losses)),
+      "val_loss_vs_baseline": ratio(median(losses), even_loss) - 1 if even_loss else None,
+      "mean_val_loss_vs_baseline": float(np.mean(losses)) / even_mean - 1 if even_mean else None,
+      "time_to_even_loss_s": median(reach),
+      "reached_even_loss": sum(t is not None for t in reach),
+      "time_to_even_loss_speedup": median(speedups) or None,
+      "compiles_after_warmup": max(r["compiles_after_warmup"] for r in runs),
+      "migrations": median([r["migrations"] for r in runs]),
+      "decisions": median([r["decisions"] for r in runs]),
+      "measure_overhead": median([r["measure_overhead"] for r in runs
+                                  if r.get("measure_overhead") is not None]),
+      "final_counts": typical.get("final_counts"), "changes": typical.get("changes", []),
+      "runs": [{"round": r.get("round", i), "position": r.get("position"), "seed": r.get("seed"),
+                "tokens_per_s": r["tokens_per_s"], "final_val_loss": r["final_val_loss"],
+                "time_to_even_loss_s": t, "migrations": r["migrations"],
+                "compiles_after_warmup": r["compiles_after_warmup"],
+                "final_counts": r.get("final_counts")}
+               for i, (r, t) in enumerate(zip(runs, reach))]}
+
+
+def summarize(raw: dict) -> dict:
+  """{SCENARIO: {POLICY: summarize_cell(...)}} from raw runs ({SCENARIO: {POLICY: [run, ...]}};
+  a single run dict counts as a list of one). `even` of the same scenario is the baseline of
+  speed and loss, `static` the oracle."""
+  out = {}
+  for scenario, cells in raw["runs"].items():
+    cells = {p: _as_list(c) for p, c in cells.items() if c}
+    even, oracle = cells.get("even", []), cells.get("static", [])
+    out[scenario] = {p: summarize_cell(runs, even, oracle) for p, runs in cells.items()}
+  return out
+
+
+def noise(results: dict) -> dict:
+  """{scenario: spread of `even`'s tokens/s over its repeated runs} (the noise of one run);
+  None where `even` ran fewer than twice."""
+  return {s: cells["even"]["tokens_per_s_spread"] for s, cells in results.items()
+          if "even" in cells}
+
+
+def noise_line(results: dict) -> str:
+  """One markdown line: the spread of the repeated `even` runs of every scenario."""
+  parts = [f"{s} {'–' if v is None else format(v, '.0%')}" for s, v in noise(results).items()]
+  runs = max((len(c["even"]["runs"]) for c in results.values() if "even" in c), default=0)
+  return (f"- noise: `even` ran {runs}x per scenario; its tokens/s spread (max / min - 1): "
+          f"{', '.join(parts)}. Ratios are of medians; paired ratios compare runs of one round.")
+
+
+def _fmt(v, f: str) -> str:
+  return "–" if v is None else format(v, f)
 
 
 def markdown(results: dict, title: str) -> str:
   lines = [f"### {title}", "",
-           "| scenario | policy | tokens/s | vs even | vs oracle | final val loss | vs baseline "
-           "| compiles after warm-up | migrations |", "|---|---|---|---|---|---|---|---|---|"]
-  fmt = lambda v, f: "–" if v is None else format(v, f)
+           "| scenario | policy | tokens/s (median) | spread | vs even | paired vs even "
+           "| vs oracle | paired vs oracle | s to even's loss (even's s / it) | val loss (mean) "
+           "| vs even | compiles after warm-up | migrations |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for scenario, runs in results.items():
     for policy, r in runs.items():
+      reached = r["reached_even_loss"]
+      reach = (f"{r['time_to_even_loss_s']:.1f} ({_fmt(r['time_to_even_loss_speedup'], '.2f')}x)"
+               if r["time_to_even_loss_s"] is not None
+               else f"not reached ({reached}/{len(r['runs'])})")
       lines.append(
-          f"| {scenario} | {policy} | {r['tokens_per_s']:.0f} | {fmt(r['ratio_vs_even'], '.2f')} "
-          f"| {fmt(r['ratio_vs_oracle'], '.2f')} | {r['final_val_loss']:.4f} "
-          f"| {fmt(r['val_loss_vs_baseline'], '+.2%')} | {r['compiles_after_warmup']} "
-          f"| {r['migrations']} |")
+          f"| {scenario} | {policy} | {r['tokens_per_s']:.0f} "
+          f"| {_fmt(r['tokens_per_s_spread'], '.0%')} | {_fmt(r['ratio_vs_even'], '.2f')} "
+          f"| {_fmt(r['paired_ratio_vs_even'], '.2f')} | {_fmt(r['ratio_vs_oracle'], '.2f')} "
+          f"| {_fmt(r['paired_ratio_vs_oracle'], '.2f')} | {reach} "
+          f"| {r['final_val_loss_mean']:.4f} | {_fmt(r['mean_val_loss_vs_baseline'], '+.2%')} "
+          f"| {r['compiles_after_warmup']} | {_fmt(r['migrations'], 'g')} |")
   return "\n".join(lines) + "\n"
 
 
+# (part, scenario, policy, key, comparison, bound, what): the issue's targets on medians.
+TARGETS = (
+    ("scenarios", "steady", "semi", "ratio_vs_oracle", ">=", 0.95, "semi vs oracle"),
+    ("scenarios", "steady", "semi", "ratio_vs_even", ">=", 1.3, "semi vs even"),
+    ("scenarios", "steady", "static", "ratio_vs_even", ">=", 1.42, "oracle vs even"),
+    ("scenarios", "bursts", "semi", "ratio_vs_even", ">=", 1.15, "semi vs even"),
+    ("scenarios", "bursts", "semi", "ratio_vs_oracle", ">=", 1.0, "semi vs static oracle"),
+    ("scenarios", "none", "semi", "ratio_vs_even", ">=", 0.98, "semi vs even"),
+    ("scenarios", "steady", "semi", "mean_val_loss_vs_baseline", "<=", 0.005,
+     "semi mean val loss vs even"),
+    ("scenarios", "bursts", "semi", "mean_val_loss_vs_baseline", "<=", 0.005,
+     "semi mean val loss vs even"),
+    ("emulated", "static_profile", "semi", "ratio_vs_oracle", ">=", 0.95, "semi vs oracle"),
+    ("emulated", "rotating", "semi", "ratio_vs_oracle", ">=", 0.95, "semi vs oracle"),
+)
+
+
+def target_lines(results: dict) -> list[str]:
+  """One markdown line per target whose cell was run: its value (and the paired one for
+  ratios), the bound, met or not met."""
+  lines = []
+  for part, scenario, policy, key, op, bound, what in TARGETS:
+    cell = results.get(part, {}).get(scenario, {}).get(policy)
+    if cell is None:
+      continue
+    v = cell.get(key)
+    if v is None:
+      lines.append(f"- {scenario}: {what} ({key}) = – (target {op} {bound:g}): not measured")
+      continue
+    met = v >= bound if op == ">=" else v <= bound
+    paired = cell.get(key.replace("ratio_vs", "paired_ratio_vs"))
+    extra = f", paired {paired:.2f}" if key.startswith("ratio_vs") and paired is not None else ""
+    shown = f"{v:+.2%}" if key.endswith("baseline") else f"{v:.2f}"
+    goal = f"{bound:+.1%}" if key.endswith("baseline") else f"{bound:g}"
+    lines.append(f"- {scenario}: {what} ({key}) = {shown}{extra} (target {op} {goal}): "
+                 f"{'met' if met else 'NOT met'}")
+  return lines
+
+
 def plot(raw: dict, path: str, title: str) -> None:
-  """Throughput over time per scenario (one line per policy), contention periods shaded.
-  Skipped when matplotlib is not installed."""
+  """Per scenario: throughput over time (left; one line per policy, its median run, contention
+  periods shaded) and validation loss over training time (right, every run). Skipped when
+  matplotlib is not installed."""
   plt = report.pyplot()
   if plt is None:
     return
   scenarios = list(raw["runs"])
-  fig, axes = plt.subplots(len(scenarios), 1, figsize=(9, 2.8 * len(scenarios)), squeeze=False)
-  for ax, scenario in zip(axes[:, 0], scenarios):
+  fig, axes = plt.subplots(len(scenarios), 2, figsize=(13, 2.8 * len(scenarios)), squeeze=False,
+                           gridspec_kw={"width_ratios": [2, 1]})
+  for (ax, lax), scenario in zip(axes, scenarios):
     shaded = False
-    for policy, r in raw["runs"][scenario].items():
-      dt = np.asarray(r["step_times_s"])
-      if not len(dt):
+    for i, (policy, cell) in enumerate(raw["runs"][scenario].items()):
+      runs = _as_list(cell)
+      if not runs:
         continue
-      t = np.cumsum(dt)
-      tokens = r["tokens_per_s"] * np.sum(dt) / len(dt)          # tokens per step (constant)
-      k = min(5, len(dt))       # trailing mean of k steps (no zero padding at the ends)
-      smooth = np.convolve(tokens / dt, np.ones(k) / k, mode="valid")
-      ax.plot(t[k - 1:], smooth, label=policy, lw=1.2)
-      c = r.get("contention")
-      if c and not shaded and policy == "semi":
-        for a, b in c["intervals"]:
-          ax.axvspan(a, b, color="grey", alpha=0.15, lw=0)
-        shaded = True
-    ax.set_title(f"{scenario}" + (" (shaded: competitor running, semi's run)" if shaded else ""),
-                 fontsize=9)
+      color = f"C{i}"
+      r = median_run(runs)
+      dt = np.asarray(r["step_times_s"])
+      if len(dt):
+        t = np.cumsum(dt)
+        tokens = r["tokens_per_s"] * np.sum(dt) / len(dt)          # tokens per step (constant)
+        k = min(5, len(dt))       # trailing mean of k steps (no zero padding at the ends)
+        smooth = np.convolve(tokens / dt, np.ones(k) / k, mode="valid")
+        ax.plot(t[k - 1:], smooth, label=policy, lw=1.2, color=color)
+        c = r.get("contention")
+        if c and not shaded and policy == "semi":
+          for a, b in c["intervals"]:
+            ax.axvspan(a, b, color="grey", alpha=0.15, lw=0)
+          shaded = True
+      for j, run in enumerate(runs):
+        curve = np.asarray(run.get("val_curve") or [], np.float64).reshape(-1, 3)
+        lax.plot(curve[:, 0], curve[:, 2], color=color, lw=1, alpha=0.8,
+                 label=policy if j == 0 else None)
+    ax.set_title(f"{scenario}: median run" + (" (shaded: competitor on, semi's run)"
+                                              if shaded else ""), fontsize=9)
     ax.set_ylabel("tokens/s")
+    finals = [r["final_val_loss"] for c in raw["runs"][scenario].values() for r in _as_list(c)]
+    if finals:      # the last stretch, where the policies differ
+      lax.set_ylim(min(finals) * 0.995, min(finals) * 1.08)
+    lax.set_title(f"{scenario}: validation loss, every run", fontsize=9)
+    lax.set_ylabel("val loss")
   axes[-1, 0].set_xlabel("seconds since the first step")
+  axes[-1, 1].set_xlabel("training seconds")
   axes[0, 0].legend(ncol=6, fontsize=8)
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()

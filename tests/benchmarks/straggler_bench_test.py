@@ -1,41 +1,135 @@
-"""The straggler benchmark's bookkeeping: ratios, loss differences and the noise spread, on
-hand-built raw runs (the runs themselves are exercised by the launch and train tests)."""
+"""The straggler benchmark's bookkeeping on hand-built runs: round orders, medians and spreads,
+paired per-round ratios, time to reach `even`'s validation loss, the noise line and the target
+lines (the runs themselves are exercised by the launch and train tests)."""
 
 import pytest
 
 from benchmarks import straggler as sb
 
 
-def run(tps, loss, migrations=0):
-  return {"tokens_per_s": tps, "final_val_loss": loss, "compiles_after_warmup": 0,
-          "migrations": migrations, "decisions": 0, "measure_overhead": None,
-          "final_counts": {}, "changes": []}
+def run(tps, loss, round_, curve=None, migrations=0, compiles=0):
+  """A raw run: `curve` [(seconds, loss), ...] (default: one point at 10 s, the final loss)."""
+  curve = curve if curve is not None else [(10.0, loss)]
+  return {"tokens_per_s": tps, "final_val_loss": loss, "compiles_after_warmup": compiles,
+          "migrations": migrations, "decisions": 3, "measure_overhead": 0.01,
+          "final_counts": {"mlp": [1, 1]}, "changes": [], "round": round_, "position": 0,
+          "seed": round_, "step_times_s": [0.1] * 4,
+          "val_curve": [[t, 10 * (i + 1), v] for i, (t, v) in enumerate(curve)]}
 
 
-RAW = {"runs": {
-    "none": {"even": run(100.0, 2.0), "static": run(110.0, 2.0), "semi": run(90.0, 2.0),
-             "offload": run(50.0, 2.0)},
-    "steady": {"even": run(50.0, 2.0), "static": run(80.0, 2.0), "semi": run(72.0, 2.01,
-                                                                              migrations=1)},
-}}
+# Three rounds; round 1 ran on a slower machine for everybody (drift), which the medians of
+# tokens/s mix up and the paired ratios cancel.
+EVEN = [run(100.0, 2.0, 0, [(5.0, 2.5), (10.0, 2.0)]),
+        run(60.0, 2.1, 1, [(8.0, 2.6), (16.0, 2.1)]),
+        run(104.0, 2.0, 2, [(5.0, 2.4), (9.6, 2.0)])]
+STATIC = [run(150.0, 2.0, 0, [(3.0, 2.5), (6.0, 2.0)]),
+          run(80.0, 2.1, 1, [(6.0, 2.6), (12.0, 2.1)]),
+          run(140.0, 2.0, 2, [(4.0, 2.4), (7.0, 2.0)])]
+# semi: faster than even, its loss ends higher in round 0 (never reaches even's 2.0) and reaches
+# it between two evaluations in round 2.
+SEMI = [run(135.0, 2.02, 0, [(3.0, 2.5), (7.0, 2.02)], migrations=1),
+        run(66.0, 2.1, 1, [(7.0, 2.6), (14.0, 2.1)], migrations=1),
+        run(130.0, 2.0, 2, [(4.0, 2.2), (6.0, 1.9), (8.0, 1.99)], migrations=2)]
+RAW = {"runs": {"steady": {"even": EVEN, "static": STATIC, "semi": SEMI}}}
 
 
-def test_summarize_gives_ratios_to_even_and_oracle_and_the_loss_difference():
-  out = sb.summarize(RAW, ("none", "even"))
-  semi = out["steady"]["semi"]
-  assert semi["ratio_vs_even"] == pytest.approx(72 / 50)
-  assert semi["ratio_vs_oracle"] == pytest.approx(72 / 80)
-  assert semi["val_loss_vs_baseline"] == pytest.approx(0.005)
-  assert semi["migrations"] == 1
-  assert out["none"]["static"]["ratio_vs_even"] == pytest.approx(1.1)
-  assert out["none"]["even"]["ratio_vs_oracle"] == pytest.approx(100 / 110)
-  table = sb.markdown(out, "t")
-  assert "| steady | semi | 72 | 1.44 | 0.90 | 2.0100 | +0.50% | 0 | 1 |" in table
+def test_round_orders_rotate_so_that_every_policy_runs_early_and_late():
+  orders = sb.round_orders(sb.POLICIES, 3)
+  assert [o[0] for o in orders] == ["even", "resize", "offload"]
+  assert all(sorted(o) == sorted(sb.POLICIES) for o in orders)
+  positions = {p: [o.index(p) for o in orders] for p in sb.POLICIES}
+  assert all(min(v) <= 1 and max(v) >= 4 for v in positions.values()), positions
+  assert sb.round_orders(["a", "b"], 1) == [["a", "b"]]
+  assert sb.round_orders(["a", "b"], 4) == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
 
 
-def test_noise_spread_covers_the_runs_of_the_same_split_only():
-  out = sb.summarize(RAW, ("none", "even"))
-  assert list(sb.same_split_runs(out)) == ["even", "static", "semi"]
-  assert sb.noise_spread(out) == pytest.approx(110 / 90 - 1)    # offload's 50 is left out
-  assert sb.noise_spread({"none": {"even": out["none"]["even"]}}) is None
-  assert sb.noise_spread({}) is None
+def test_median_and_spread():
+  assert sb.median([3.0, 1.0, 2.0]) == 2.0
+  assert sb.median([3.0, None, 1.0]) == 3.0        # None = never, counted as +infinity
+  assert sb.median([None, None, 1.0]) is None      # the median run never got there
+  assert sb.median([]) is None
+  assert sb.spread([100.0, 60.0, 104.0]) == pytest.approx(104 / 60 - 1)
+  assert sb.spread([100.0]) is None
+
+
+def test_time_to_loss_interpolates_between_evaluations():
+  curve = [[4.0, 10, 2.2], [6.0, 20, 1.9], [8.0, 30, 1.99]]
+  assert sb.time_to_loss(curve, 2.0, tol=0) == pytest.approx(4.0 + 2.0 * 0.2 / 0.3)
+  assert sb.time_to_loss(curve, 2.5, tol=0) == 4.0        # reached at the first evaluation
+  assert sb.time_to_loss(curve, 1.8, tol=0) is None       # never
+  # The tolerance absorbs float rounding between layouts of the same model, nothing more.
+  assert sb.time_to_loss([[1.0, 1, 3.0], [2.0, 2, 2.0001]], 2.0) == 2.0
+  assert sb.time_to_loss([[1.0, 1, 3.0], [2.0, 2, 2.001]], 2.0) is None
+
+
+def test_paired_ratios_cancel_drift_that_hits_a_whole_round():
+  assert sb.paired_ratios(SEMI, EVEN) == pytest.approx([1.35, 1.1, 1.25])
+  assert sb.paired_ratios(SEMI, EVEN[:2]) == pytest.approx([1.35, 1.1])   # rounds both have
+
+
+def test_summarize_uses_medians_paired_ratios_and_the_time_to_even_loss():
+  out = sb.summarize(RAW)["steady"]
+  semi, static, even = out["semi"], out["static"], out["even"]
+  assert semi["tokens_per_s"] == 130.0
+  assert (semi["tokens_per_s_min"], semi["tokens_per_s_max"]) == (66.0, 135.0)
+  assert semi["tokens_per_s_spread"] == pytest.approx(135 / 66 - 1)
+  assert semi["ratio_vs_even"] == pytest.approx(130 / 100)            # of medians
+  assert semi["ratio_vs_oracle"] == pytest.approx(130 / 140)
+  assert semi["paired_ratio_vs_even"] == pytest.approx(1.25)          # median of 1.35, 1.1, 1.25
+  assert semi["paired_ratio_vs_oracle"] == pytest.approx(sorted(
+      [135 / 150, 66 / 80, 130 / 140])[1])
+  assert static["paired_ratio_vs_even"] == pytest.approx(sorted(
+      [1.5, 80 / 60, 140 / 104])[1])
+  assert even["ratio_vs_even"] == 1.0 and even["paired_ratio_vs_even"] == 1.0
+  # Loss: median and mean against even's of the same scenario.
+  assert semi["final_val_loss"] == 2.02
+  assert semi["final_val_loss_mean"] == pytest.approx(6.12 / 3)
+  assert semi["val_loss_vs_baseline"] == pytest.approx(2.02 / 2.0 - 1)
+  assert semi["mean_val_loss_vs_baseline"] == pytest.approx(6.12 / 6.1 - 1)
+  # Time to even's final loss of the same round: round 0 never (2.02 > 2.0), round 1 at 14 s,
+  # round 2 between the evaluations at 4 s and 6 s; even itself at its last evaluation.
+  times = [r["time_to_even_loss_s"] for r in semi["runs"]]
+  assert times[0] is None and times[1] == 14.0
+  assert times[2] == pytest.approx(4.0 + 2.0 * 0.2 / 0.3)
+  assert semi["reached_even_loss"] == 2
+  assert semi["time_to_even_loss_s"] == 14.0                          # median, None = never
+  assert [r["time_to_even_loss_s"] for r in even["runs"]] == [10.0, 16.0, 9.6]
+  assert semi["time_to_even_loss_speedup"] == pytest.approx(16 / 14)   # median of 0, 1.14, 1.8
+  assert static["time_to_even_loss_speedup"] == pytest.approx(sorted(
+      [10 / 6, 16 / 12, 9.6 / 7])[1])
+  # Every run keeps its own figures; the cell keeps the median run's details.
+  assert [r["round"] for r in semi["runs"]] == [0, 1, 2]
+  assert [r["tokens_per_s"] for r in semi["runs"]] == [135.0, 66.0, 130.0]
+  assert semi["migrations"] == 1 and semi["compiles_after_warmup"] == 0
+
+
+def test_summarize_takes_a_single_run_per_cell_and_leaves_missing_references_empty():
+  out = sb.summarize({"runs": {"none": {"even": run(100.0, 2.0, 0), "semi": run(90.0, 2.0, 0)},
+                               "steady": {"semi": [run(90.0, 2.0, 0)]}}})
+  assert out["none"]["semi"]["ratio_vs_even"] == pytest.approx(0.9)
+  assert out["none"]["semi"]["ratio_vs_oracle"] is None    # no static run
+  assert out["none"]["semi"]["tokens_per_s_spread"] is None
+  assert out["steady"]["semi"]["ratio_vs_even"] is None
+  assert out["steady"]["semi"]["time_to_even_loss_s"] is None
+
+
+def test_noise_is_the_spread_of_the_repeated_even_runs():
+  results = sb.summarize(RAW)
+  assert sb.noise(results) == {"steady": pytest.approx(104 / 60 - 1)}
+  line = sb.noise_line(results)
+  assert "`even` ran 3x per scenario" in line and "steady 73%" in line
+
+
+def test_markdown_and_target_lines():
+  results = sb.summarize(RAW)
+  table = sb.markdown(results, "t")
+  assert ("| steady | semi | 130 | 105% | 1.30 | 1.25 | 0.93 | 0.90 | 14.0 (1.14x) | 2.0400 "
+          "| +0.33% | 0 | 1 |") in table
+  assert "| steady | even | 100 | 73% | 1.00 | 1.00 |" in table
+  lines = sb.target_lines({"scenarios": results})
+  assert ("- steady: semi vs oracle (ratio_vs_oracle) = 0.93, paired 0.90 (target >= 0.95): "
+          "NOT met") in lines
+  assert "- steady: semi vs even (ratio_vs_even) = 1.30, paired 1.25 (target >= 1.3): met" in lines
+  assert ("- steady: semi mean val loss vs even (mean_val_loss_vs_baseline) = +0.33% "
+          "(target <= +0.5%): met") in lines
+  assert not any(line.startswith("- bursts") for line in lines)    # cells not run: no line
