@@ -295,8 +295,11 @@ class _Loop:
     balancer.compiles_at_warmup = compiles.count()    # the replica programs are warm-up too
     say(f"warm-up: sync mode {run.sync.mode}, {run.mesh.data} replicas "
         f"(slowdown {tuple(self.factors.tolist())}), {time.perf_counter() - t0:.1f} s")
-    if extra is not None and "sync" in extra:
-      driver.load_state_dict(extra["sync"], balancer.layout)
+    saved = (extra or {}).get("sync")
+    if saved is None:     # the loop may nest the host state under "balance"
+      saved = ((extra or {}).get("balance") or {}).get("sync")
+    if saved is not None:
+      driver.load_state_dict(saved, balancer.layout)
     else:
       state = driver.begin(state, plan, self.batches, self.durations())
     if after_warmup is not None:
