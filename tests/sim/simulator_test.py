@@ -1,0 +1,102 @@
+"""The simulator runs the library's own decision code on simulated time."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from semijax.balance import controller as controller_lib
+from semijax.balance import settings as settings_lib
+from semijax.core import emulation
+from semijax.sim import cluster as cluster_lib
+from semijax.sim import hardware
+from semijax.sim import simulator
+from semijax.sim import stage as stage_lib
+from semijax.sim import traces
+from semijax.sim import workload as workload_lib
+
+HW = hardware.Hardware("t", device_flops=2e9, branch_overhead=0.1, step_overhead_s=0.01,
+                       move_fixed_s=0.05, sample_s=0.001)
+
+
+def workload():
+  return workload_lib.Workload.gpt(d_model=64, num_heads=8, d_ff=256, num_layers=2, seq_len=32,
+                                   vocab_size=64, batch_per_replica=8)
+
+
+def run_of(policy, steps=60, data=1, counts=None, hw=HW, **kw):
+  return simulator.Run(workload(), cluster_lib.Cluster(data, 1, 4), hw,
+                       settings_lib.BalanceSettings(policy=policy, num_widths=8, probe_every=2,
+                                                    **kw), steps, static_counts=counts)
+
+
+def slow_trace(data=1, device=1, speed=0.25):
+  return traces.Trace(4 * data, 1, [[0.0, device, speed]])
+
+
+def test_even_under_a_straggler_is_as_slow_as_its_straggler():
+  fast = simulator.simulate(run_of("even"), traces.Trace(4))
+  slow = simulator.simulate(run_of("even"), slow_trace())
+  assert slow.tokens_per_s < 0.5 * fast.tokens_per_s
+  assert fast.tokens_per_s == pytest.approx(fast.ideal_tokens_per_s)
+
+
+def test_migrate_moves_work_off_the_straggler_and_beats_even():
+  even = simulator.simulate(run_of("even"), slow_trace())
+  mig = simulator.simulate(run_of("migrate"), slow_trace())
+  counts = mig.stages[0]["counts"]["mlp"]
+  assert mig.stat("migrations") >= 1 and counts[1] == min(counts)
+  assert mig.tokens_per_s > 1.3 * even.tokens_per_s
+  oracle = stage_lib.oracle_counts(workload().spec, [1, 0.25, 1, 1])
+  static = simulator.simulate(run_of("static", counts=(oracle,)), slow_trace())
+  assert static.tokens_per_s > mig.tokens_per_s * 0.95             # the oracle moves nothing
+
+
+def test_with_data_parallelism_the_layout_follows_the_slowest_replica():
+  # Replica 1's device 2 is slow; one layout serves both replicas (`speed.tensor_times`).
+  mig = simulator.simulate(run_of("migrate", data=2), slow_trace(data=2, device=4 + 2))
+  counts = mig.stages[0]["counts"]["mlp"]
+  assert counts[2] == min(counts) and mig.stat("migrations") >= 1
+
+
+def test_a_change_to_the_controller_changes_the_simulation(monkeypatch):
+  before = simulator.simulate(run_of("semi"), slow_trace())
+  assert before.stat("changes") > 0
+  monkeypatch.setattr(controller_lib.Controller, "choose_with_hysteresis",
+                      lambda self, o: (o.current, "patched: never change"))
+  after = simulator.simulate(run_of("semi"), slow_trace())
+  assert after.stat("changes") == 0 and after.tokens_per_s < before.tokens_per_s
+
+
+def test_settings_reach_the_real_controller():
+  # With an enormous hysteresis nothing is ever worth changing.
+  frozen = simulator.simulate(run_of("migrate", hysteresis=0.99), slow_trace())
+  assert frozen.stat("migrations") == 0
+
+
+def test_an_emulated_replay_adds_the_library_emulators_sleep():
+  hetero = emulation.Hetero((4.0, 1.0, 1.0, 1.0), 2.0, 0)
+  hw = dataclasses.replace(HW, emulated=True, cores=2, step_noise=0.0)
+  run = dataclasses.replace(run_of("even", steps=5, hw=hw), hetero=hetero)
+  emu = simulator.simulate(run, traces.Trace(4))
+  plain = simulator.simulate(dataclasses.replace(run, hetero=None,
+                                                 hardware=dataclasses.replace(hw, emulated=False)),
+                             traces.Trace(4))
+  w = workload()
+  emulator = emulation.Emulator(hetero, emulation.unit_ms(w.spec.flops_per_unit(),
+                                                          w.tokens_per_replica, 2.0))
+  executed = {"mlp": np.full((4, 2), 64.0), "heads": np.full((4, 2), 2.0)}
+  assert np.allclose(emu.step_s - plain.step_s, emulator.delay_s(0, executed))
+
+
+def test_simulations_are_deterministic_per_seed():
+  hw = dataclasses.replace(HW, sample_noise=0.05, step_noise=0.05)
+  a = simulator.simulate(run_of("semi", hw=hw), slow_trace())
+  b = simulator.simulate(run_of("semi", hw=hw), slow_trace())
+  c = simulator.simulate(dataclasses.replace(run_of("semi", hw=hw), seed=1), slow_trace())
+  assert np.array_equal(a.step_s, b.step_s) and not np.array_equal(a.step_s, c.step_s)
+
+
+def test_a_trace_of_the_wrong_size_is_refused():
+  with pytest.raises(ValueError, match="sim.trace: 8 devices for a cluster of 4"):
+    simulator.simulate(run_of("even"), traces.Trace(8))

@@ -1,0 +1,152 @@
+"""The step model against an independent loop-by-loop computation of the same formulas, and the
+workload's counts against the real engine."""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import GPT_KW, make_engine
+from semijax.core import emulation
+from semijax.errors import ConfigError
+from semijax.sim import cluster as cluster_lib
+from semijax.sim import hardware
+from semijax.sim import stepcost
+from semijax.sim import strategies
+from semijax.sim import workload as workload_lib
+from semijax.sync import predict
+
+HW = hardware.Hardware(
+    "t", device_flops=1e12, branch_overhead=0.25, resize_overhead=0.5, offload_overhead=0.75,
+    step_overhead_s=0.003, memory_bytes_per_s=1e11,
+    links={"tensor": hardware.Link(1e-5, 1e11), "pipe": hardware.Link(2e-5, 1e10),
+           "data": hardware.Link(3e-5, 1e10), "region": hardware.Link(1e-3, 1e9)})
+
+
+def small_workload(microbatches=2):
+  return workload_lib.Workload.gpt(d_model=64, num_heads=4, d_ff=96, num_layers=4, seq_len=16,
+                                   vocab_size=50, batch_per_replica=4, microbatches=microbatches)
+
+
+def reference_step(w, c, hw, widths, kinds, speeds, links):
+  """The module doc's formulas, written out with loops and nothing from `stepcost`."""
+  spec = w.spec
+  tokens = w.batch_per_replica * spec.seq_len // w.microbatches
+  flops = {k: 3.0 * f for k, f in spec.flops_per_unit().items()}
+  layers = [spec.num_layers // c.pipe] * c.pipe
+  d = spec.d_model
+  ring = lambda link, b, n: 0.0 if n == 1 else (2 * (n - 1) * link.latency_s
+                                                + 2 * (n - 1) / n * b / link.bytes_per_s)
+  act = tokens * d * 4
+  factor = {"single": 1.0, "branched": 1 + hw.branch_overhead, "resized": 1 + hw.resize_overhead,
+            "offload": 1 + hw.offload_overhead}
+  replicas = []
+  for r in range(c.data):
+    taus, updates = [], []
+    for s in range(c.pipe):
+      tau = 0.0
+      for l in range(layers[s]):
+        for k in ("mlp", "heads"):
+          tau += factor[kinds[s]] * max(flops[k] * tokens * widths[k][s, t, l] / hw.device_flops
+                                        / speeds[r, s, t] for t in range(c.tensor))
+        tau += 2 * ring(hw.link("tensor"), act, c.tensor)
+      rep = layers[s] * 3 * 16 * d * tokens
+      if s == c.pipe - 1:
+        rep += 3 * (8 * d + 2 * d * w.vocab_size + 5 * w.vocab_size) * tokens
+      slowest = min(speeds[r, s, t] for t in range(c.tensor))
+      tau += rep / hw.device_flops / slowest
+      if s < c.pipe - 1:
+        tau += 2 * (hw.link("pipe").latency_s + act / hw.link("pipe").bytes_per_s)
+      taus.append(tau)
+      unit = (2 * d + 1) * spec.d_ff + (4 * d * spec.head_dim + 3 * spec.head_dim) * spec.num_heads
+      params = layers[s] * (unit / c.tensor + 6 * d)
+      params += (w.vocab_size + spec.seq_len) * d if s == 0 else 0
+      params += (2 * d + d * w.vocab_size) if s == c.pipe - 1 else 0
+      updates.append(24 * params / hw.memory_bytes_per_s / slowest)
+    pipeline = sum(taus) + (w.microbatches - 1) * max(taus)
+    replicas.append(pipeline + max(updates) + hw.step_overhead_s)
+  grad = 4 * max(
+      layers[s] * (((2 * d + 1) * spec.d_ff + (4 * d * spec.head_dim + 3 * spec.head_dim)
+                    * spec.num_heads) / c.tensor + 6 * d)
+      + ((w.vocab_size + spec.seq_len) * d if s == 0 else 0)
+      + ((2 * d + d * w.vocab_size) if s == c.pipe - 1 else 0) for s in range(c.pipe))
+  if c.regions == 1:
+    sync = ring(hw.link("data"), grad, c.data)
+  else:
+    slowest = hardware.Link(max(hw.link("region").latency_s, hw.link("data").latency_s),
+                            min(hw.link("region").bytes_per_s * min(links),
+                                hw.link("data").bytes_per_s))
+    sync = ring(slowest, grad, c.data)
+  return max(replicas) + sync
+
+
+@pytest.mark.parametrize("data, pipe, regions", [(1, 1, 1), (3, 2, 1), (4, 2, 2)])
+def test_step_matches_the_loop_reference(data, pipe, regions):
+  rng = np.random.default_rng(data * 10 + pipe)
+  w = small_workload()
+  c = cluster_lib.Cluster(data, pipe, 4, regions)
+  model = stepcost.StepModel(w, c, HW, strategies.make("sync"))
+  widths = {k: rng.integers(1, 30, (pipe, 4, 4 // pipe)).astype(float) for k in ("mlp", "heads")}
+  kinds = ["branched", "single"][:pipe] if pipe > 1 else ["resized"]
+  speeds = rng.uniform(0.2, 1.0, (data, pipe, 4))
+  links = np.array([0.3, 1.0])[:regions]
+  got = model.step(widths, kinds, speeds, links).seconds
+  want = reference_step(w, c, HW, widths, kinds, speeds, links)
+  assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_a_slow_device_slows_its_blocks_and_the_repeated_work_only():
+  w = small_workload(1)
+  c = cluster_lib.Cluster(1, 1, 4)
+  model = stepcost.StepModel(w, c, HW, strategies.make("sync"))
+  widths = {"mlp": np.full((1, 4, 4), 24.0), "heads": np.full((1, 4, 4), 1.0)}
+  fast = model.step(widths, ["single"], np.ones((1, 1, 4)), np.ones(1)).seconds
+  slow = model.step(widths, ["single"], np.array([[[1, 1, 0.5, 1]]]), np.ones(1)).seconds
+  blocks = model.block_seconds(widths, np.ones((1, 1, 4)))[0, 0]
+  scaled = blocks + model.repeated_s[0] + model.update_s[0]
+  assert slow - fast == pytest.approx(scaled, rel=1e-9)            # exactly those, twice as long
+
+
+def test_shared_cores_charge_the_summed_work():
+  w = small_workload(1)
+  c = cluster_lib.Cluster(1, 1, 4)
+  shared = hardware.Hardware("s", device_flops=1e12, cores=2)
+  model = stepcost.StepModel(w, c, shared, strategies.make("sync"))
+  widths = {"mlp": np.full((1, 4, 4), 24.0), "heads": np.full((1, 4, 4), 1.0)}
+  own = stepcost.StepModel(w, c, hardware.Hardware("o", device_flops=1e12),
+                           strategies.make("sync"))
+  ratio = (model.block_seconds(widths, np.ones((1, 1, 4)))
+           / own.block_seconds(widths, np.ones((1, 1, 4))))
+  assert ratio[0, 0] == pytest.approx(2.0)                          # 4 devices on 2 cores
+
+
+def test_unknown_and_pending_strategies_are_refused():
+  with pytest.raises(ConfigError, match=r"'planner' is not one of .* \(planner is not in"):
+    strategies.make("planner")
+
+
+def test_ssaw_is_the_librarys_predictor_and_scales_with_time():
+  # One replica 2.5x slower: sync waits for it; ssaw's rounds do not (semijax.sync.predict).
+  replicas = np.array([2.5, 1.0, 1.0, 1.0])
+  sync_s, _ = strategies.make("sync").combine(replicas, 0.1)
+  ssaw = strategies.make("ssaw")
+  ssaw_s, _ = ssaw.combine(replicas, 0.1)
+  want = predict.predict("ssaw", replicas, comm_s=0.1).batch_s
+  assert sync_s == pytest.approx(2.6) and ssaw_s == pytest.approx(want, rel=1e-3)
+  assert ssaw_s < 0.8 * sync_s
+  assert ssaw.combine(3 * replicas, 0.3)[0] == pytest.approx(3 * ssaw_s, rel=1e-3)
+  even = strategies.make("ssaw").combine(np.ones(4), 0.1)[0]      # equal speeds: synchronous
+  assert even == pytest.approx(1.1, rel=1e-3)
+
+
+def test_workload_counts_match_the_real_engine():
+  eng = make_engine("gpt")
+  w = workload_lib.Workload.gpt(**GPT_KW, batch_per_replica=4)
+  assert w.unit_bytes() == pytest.approx(eng.unit_bytes())
+  total = sum(int(np.prod(s)) for s in jax.tree.leaves(
+      eng.logical_shapes, is_leaf=lambda x: isinstance(x, tuple)))
+  spec = w.spec
+  units = sum(w.unit_params()[k] * u for k, u in spec.num_units().items())
+  mine = (spec.num_layers * (units + w.layer_repeated_params()) + sum(w.edge_params().values()))
+  assert mine == total
+  assert w.unit_flops() == {k: emulation.FWD_BWD_FACTOR * f
+                            for k, f in spec.flops_per_unit().items()}
