@@ -1,0 +1,447 @@
+"""The simulator's constants, fitted to this machine's measured runs, and replays that check them.
+
+Measurements (`extract_*`; small JSON copies in benchmarks/measurements/):
+
+  straggler_real      the straggler benchmark's real-contention part (2 processes x 1 CPU device,
+                      tensor = 2, a CPU-bound competitor on core 1: none / steady / bursts), every
+                      policy: step times, the competitor's on-intervals, the oracle's split, and
+                      from the decision logs the speeds the controller measured, the seconds of
+                      a speed sample and of the warm-up's timed migration;
+  straggler_emulated  its emulated part (one process, 8 fake devices, the authors' static
+                      profile and rotating straggler as a host sleep);
+  migrate             `experiments/bench_migrate.py`: seconds and bytes of migrations.
+
+Profiles fitted here (`hardware.Hardware`):
+
+  cpu_2proc  the real-contention setting. Device speeds in the replay are the measured ones
+             (the competitor's on-intervals at the scheduler share the controller measured
+             under contention); fitted: the FLOP rate, the per-step overhead, the branched and
+             offload steps' extra compute (a linear least-squares fit of the runs' mean step
+             times, alternated with replays, since the decisions depend on the times); measured:
+             a speed sample's seconds and noise, a migration's seconds.
+  cpu_8fake  the emulated setting: the emulated delay is the library's `Emulator` itself; fitted
+             the same way: what the 8 fake devices' real compute on 2 cores adds; migration
+             costs from bench_migrate (fixed + state bytes at memory bandwidth + the
+             all_to_all's bytes).
+
+`check` replays every measured run with the fitted constants and reports, per run, the
+predicted and measured mean step time, tokens/s, and ratios to `even` and to the oracle
+(`static`) of the same scenario.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+
+import numpy as np
+
+from semijax.balance import resize as resize_spec_lib
+from semijax.balance import settings as settings_lib
+from semijax.core import emulation
+from semijax.sim import cluster as cluster_lib
+from semijax.sim import hardware as hardware_lib
+from semijax.sim import simulator
+from semijax.sim import stepcost
+from semijax.sim import traces as traces_lib
+from semijax.sim import workload as workload_lib
+
+REAL, EMULATED = "cpu_2proc", "cpu_8fake"
+# Decisions whose speeds still mix the time before the competitor started (the first window).
+SETTLE_DECISIONS = 2
+
+
+# --- measurements --------------------------------------------------------------------------------
+
+
+def _decisions(runs_dir: str, scenario: str, policy: str) -> list[dict]:
+  path = os.path.join(runs_dir, scenario, policy, "decisions.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def _config(runs_dir: str, scenario: str, policy: str) -> dict:
+  with open(os.path.join(runs_dir, scenario, policy, "config.json")) as f:
+    return json.load(f)
+
+
+def _setting(config: dict) -> dict:
+  """What a replay needs of a run's config."""
+  keep = ("model", "batch_size", "mesh", "balance", "resize", "hetero")
+  return {k: config[k] for k in keep if k in config}
+
+
+def _record(scenario: str, policy: str, run: dict, config: dict) -> dict:
+  layout = config.get("layout", {})
+  counts = {k: list(layout[k]) for k in ("mlp", "heads") if isinstance(layout.get(k), list)}
+  c = run.get("contention") or {}
+  return {"scenario": scenario, "policy": policy, "steps": len(run["step_times_s"]),
+          "step_times_s": run["step_times_s"], "tokens_per_s": run["tokens_per_s"],
+          "migrations": run["migrations"], "final_counts": run["final_counts"],
+          "layout": counts or None, "contention": c.get("intervals"),
+          "hetero": config.get("hetero")}
+
+
+def extract_real(results_dir: str) -> dict:
+  """The measurements of a straggler benchmark's real part (`real_raw.json` and its runs)."""
+  with open(os.path.join(results_dir, "real_raw.json")) as f:
+    raw = json.load(f)
+  runs_dir = os.path.join(results_dir, "runs")
+  records, samples, moves, contended, idle = [], [], [], [], []
+  for scenario, runs in raw["runs"].items():
+    for policy, run in runs.items():
+      config = _config(runs_dir, scenario, policy)
+      records.append(_record(scenario, policy, run, config))
+      ds = _decisions(runs_dir, scenario, policy)
+      samples += [d["sample_s"] for d in ds]
+      if ds and ds[0]["cost"]["move_s"] > 0:
+        moves.append(ds[0]["cost"]["move_s"])            # the warm-up's timed migration
+      if scenario == "steady":
+        contended += [min(d["speeds"]) for d in ds[SETTLE_DECISIONS:]]
+      if scenario == "none":
+        idle += [min(d["speeds"]) for d in ds]
+  return {"kind": "real", "source": os.path.relpath(results_dir),
+          "setting": _setting(raw["config"]),
+          "probe_speeds": raw["speeds"], "bursts": raw["bursts"],
+          "contention_speed": float(np.median(contended)), "contended_speeds": contended,
+          "idle_min_speeds": idle,
+          "sample_s": samples, "warmup_move_s": moves, "records": records}
+
+
+def extract_emulated(results_dir: str) -> dict:
+  """The measurements of a straggler benchmark's emulated part (`emulated_raw.json`)."""
+  with open(os.path.join(results_dir, "emulated_raw.json")) as f:
+    raw = json.load(f)
+  runs_dir = os.path.join(results_dir, "runs")
+  records, samples, setting = [], [], None
+  for scenario, runs in raw["runs"].items():
+    for policy, run in runs.items():
+      config = _config(runs_dir, scenario, policy)
+      setting = setting or _setting(config)
+      records.append(_record(scenario, policy, run, config))
+      samples += [d["sample_s"] for d in _decisions(runs_dir, scenario, policy)]
+  return {"kind": "emulated", "source": os.path.relpath(results_dir), "setting": setting,
+          "sample_s": samples, "records": records}
+
+
+def extract_migrate(path: str) -> dict:
+  """The rows of `experiments/bench_migrate.py`'s results.json that the fit uses."""
+  with open(path) as f:
+    raw = json.load(f)
+  rows = [{"model": r["model"], "share": r["share"], "moved_bytes": r["moved_bytes"],
+           "wire_bytes": r["wire_bytes"], "migrate_s": r["migrate_s"]} for r in raw["rows"]]
+  models = {n: {"step_s": m["step_s"], "state_bytes": m["state_bytes"],
+                "chunk_capacity": m["chunk_capacity"]} for n, m in raw["models"].items()}
+  return {"kind": "migrate", "source": os.path.relpath(path), "devices": raw["devices"],
+          "quick": raw["quick"], "rows": rows, "models": models}
+
+
+def load_measurements(directory: str) -> dict:
+  """{"real", "emulated", "migrate"} from the JSON files in `directory`."""
+  out = {}
+  for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+    with open(path) as f:
+      d = json.load(f)
+    if isinstance(d, dict) and d.get("kind") in ("real", "emulated", "migrate"):
+      out[d["kind"]] = d
+  return out
+
+
+# --- replays -------------------------------------------------------------------------------------
+
+
+def workload_of(setting: dict) -> workload_lib.Workload:
+  m = setting["model"]
+  return workload_lib.Workload.gpt(
+      d_model=m["d_model"], num_heads=m["num_heads"], d_ff=m["d_ff"], num_layers=m["num_layers"],
+      seq_len=m["seq_len"], vocab_size=m["vocab_size"],
+      batch_per_replica=setting["batch_size"] // setting["mesh"]["data"])
+
+
+def _resize_spec(d: dict) -> resize_spec_lib.ResizeSpec:
+  d = dict(d)
+  for k in ("keep", "fractions"):
+    d[k] = tuple(d.get(k, ()))
+  if isinstance(d.get("straggler"), list):
+    d["straggler"] = tuple(d["straggler"])
+  return resize_spec_lib.ResizeSpec(**d)
+
+
+def run_of(measured: dict, record: dict, hw: hardware_lib.Hardware,
+           seed: int = 0) -> simulator.Run:
+  """The simulated run that replays `record` (one measured run) on hardware `hw`."""
+  s = measured["setting"]
+  balance = dict(s["balance"], policy=record["policy"])
+  hetero = None
+  if record.get("hetero") and record["hetero"].get("slowdown"):
+    h = record["hetero"]
+    hetero = emulation.Hetero(tuple(h["slowdown"]), h["device_gflops"], h["rotate_every"])
+  counts = (record["layout"],) if record["policy"] == "static" and record["layout"] else None
+  return simulator.Run(
+      workload_of(s), cluster_lib.Cluster(s["mesh"]["data"], 1, s["mesh"]["tensor"]), hw,
+      settings_lib.BalanceSettings(**balance), record["steps"], resize=_resize_spec(s["resize"]),
+      static_counts=counts, hetero=hetero, seed=seed)
+
+
+def trace_of(measured: dict, record: dict, contention_speed: float | None = None
+             ) -> traces_lib.Trace:
+  """The measured speeds of `record`: the competitor's intervals on the last tensor device (the
+  process on the shared core) at `contention_speed` (default: the median the controllers
+  measured), or none (emulated: the `Hetero` drives the replay)."""
+  n = measured["setting"]["mesh"]["tensor"] * measured["setting"]["mesh"]["data"]
+  speed = measured.get("contention_speed") if contention_speed is None else contention_speed
+  rows = []
+  for on, off in record.get("contention") or ():
+    rows += [[on, n - 1, speed], [off, n - 1, 1.0]]
+  return traces_lib.Trace(n, 1, rows)
+
+
+def replay(measured: dict, record: dict, hw: hardware_lib.Hardware, seed: int = 0,
+           contention_speed: float | None = None) -> simulator.Result:
+  return simulator.simulate(run_of(measured, record, hw, seed),
+                            trace_of(measured, record, contention_speed))
+
+
+# --- the fit -------------------------------------------------------------------------------------
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """Least squares min |a x - b| with x >= 0 (an active set: drop the most negative, re-solve)."""
+  free = np.ones(a.shape[1], bool)
+  while True:
+    x = np.zeros(a.shape[1])
+    if free.any():
+      x[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+    if (x >= 0).all():
+      return x
+    free[np.argmin(np.where(free, x, np.inf))] = False
+
+
+def _with_coefficients(hw: hardware_lib.Hardware, x: np.ndarray) -> hardware_lib.Hardware:
+  """`hw` with `simulator.coefficients` = x (see `fit_steps`)."""
+  if x[1] <= 0:
+    raise ValueError("calibration: the fit found no compute term; the measurements cannot "
+                     "determine the FLOP rate")
+  overheads = {name: float(v / x[1]) for name, v in zip(stepcost.OVERHEADS.values(), x[2:])}
+  return dataclasses.replace(hw, step_overhead_s=float(x[0]), device_flops=float(1 / x[1]),
+                             **overheads)
+
+
+def fit_steps(measured: dict, hw: hardware_lib.Hardware, iterations: int = 6, seed: int = 0,
+              contention_speed: float | None = None) -> hardware_lib.Hardware:
+  """`hw` with its step constants fitted to the measured runs' mean step times.
+
+  Each replayed step is `features @ simulator.coefficients(hw)` (overhead, 1 / flops and each
+  step variant's overhead / flops) plus parts that do not depend on them (migrations, samples,
+  collectives, the optimizer, an emulated sleep). A non-negative least-squares fit of the runs'
+  means (relative errors: every run weighs the same) gives new constants; the runs are replayed
+  with them (the decisions, and a contention interval's steps, depend on the times) and fitted
+  again, `iterations` times; the constants whose replays matched best are returned. The
+  decisions make the fixed point depend on where it starts: the fit finds constants that explain
+  the measurements, not necessarily the only ones.
+  """
+  best = None
+  for _ in range(iterations):
+    rows, targets = [], []
+    for rec in measured["records"]:
+      r = replay(measured, rec, hw, seed, contention_speed)
+      mean_s = np.mean(rec["step_times_s"])        # relative errors: divide by the measured mean
+      rows.append(r.features.mean(axis=0) / mean_s)
+      targets.append((mean_s - r.fixed_s.mean()) / mean_s)
+    rows, targets = np.asarray(rows), np.asarray(targets)
+    error = float(np.mean(np.square(rows @ simulator.coefficients(hw) - targets)))
+    if best is None or error < best[0]:
+      best = (error, hw)
+    hw = _with_coefficients(hw, nnls(rows, targets))
+  return best[1] if best[0] <= _replay_error(measured, hw, seed, contention_speed) else hw
+
+
+def _replay_error(measured: dict, hw: hardware_lib.Hardware, seed: int, contention_speed) -> float:
+  """Mean squared relative error of the replays' mean step times."""
+  err = [np.mean(replay(measured, rec, hw, seed, contention_speed).step_s)
+         / np.mean(rec["step_times_s"]) - 1 for rec in measured["records"]]
+  return float(np.mean(np.square(err)))
+
+
+def fit_moves(migrate: dict) -> dict:
+  """{move_fixed_s, move_local_bytes_per_s, move_bytes_per_s} from bench_migrate: seconds of a
+  migration = fixed + the device's state bytes (local gathers) / their rate + the device's
+  all_to_all bytes / the collective's bandwidth."""
+  n = migrate["devices"]
+  a, b = [], []
+  for r in migrate["rows"]:
+    m = migrate["models"][r["model"]]
+    a.append([1.0, m["state_bytes"] / n, r["wire_bytes"] / n])
+    b.append(r["migrate_s"])
+  for m in migrate["models"].values():
+    c = m["chunk_capacity"]
+    a.append([1.0, m["state_bytes"] / n, c["wire_bytes"] / n])
+    b.append(c["seconds"])
+  x = nnls(np.asarray(a), np.asarray(b))
+  inv = lambda v: float(1 / v) if v > 0 else float("inf")
+  return {"move_fixed_s": float(x[0]), "move_local_bytes_per_s": inv(x[1]),
+          "move_bytes_per_s": inv(x[2])}
+
+
+def sample_noise(idle_min_speeds) -> float:
+  """The std of log(measured / true time) of one sample, from the slower of two equal devices'
+  relative speeds when nobody is slow (log of it: minus |difference of two samples|, whose
+  mean square is twice the variance)."""
+  x = np.log(np.asarray(idle_min_speeds, np.float64))
+  return float(np.sqrt(np.mean(x * x) / 2)) if len(x) else 0.0
+
+
+def step_noise(records) -> float:
+  """Step-to-step jitter of the runs that neither sample nor change (`even`, `static`): the
+  median over runs of a robust std of log step time (from consecutive differences)."""
+  out = []
+  for rec in records:
+    if rec["policy"] in ("even", "static"):
+      d = np.diff(np.log(np.asarray(rec["step_times_s"][1:], np.float64)))
+      out.append(np.median(np.abs(d)) / 0.6745 / np.sqrt(2))
+  return float(np.median(out)) if out else 0.0
+
+
+def net_sample_s(measured: dict) -> float:
+  """What a speed sample adds to a step, net: in scenario `none` the policies that sample
+  (every `probe_every` steps) and `even` / `static` (never) train the same even split; the
+  difference of their mean step times, per sample, at least 0. (A sample's shared gather waits
+  for the slowest process, a wait the next step's collective would otherwise have had; its
+  logged duration, `sample_s` in the decision logs, is not what it costs.)"""
+  none = [r for r in measured["records"] if r["scenario"] == "none"]
+  plain = [np.mean(r["step_times_s"]) for r in none if r["policy"] in ("even", "static")]
+  sampled = [np.mean(r["step_times_s"]) for r in none if r["policy"] not in ("even", "static")]
+  if not plain or not sampled:
+    return float(np.mean(measured["sample_s"]))
+  every = measured["setting"]["balance"]["probe_every"]
+  return max(0.0, float(np.mean(sampled) - np.mean(plain)) * every)
+
+
+def _loss(rows: list[dict]) -> float:
+  """Mean squared log error of the step times and of the ratios to `even`."""
+  err = [np.log1p(x["step_error"]) for x in rows]
+  err += [np.log1p(x["vs_even_error"]) for x in rows if x["policy"] != "even"]
+  return float(np.mean(np.square(err)))
+
+
+def fit(measurements: dict, iterations: int = 6, grid_step: float = 0.005,
+        seeds=(0, 1, 2), contention_speeds=None) -> tuple[dict, dict]:
+  """({profile name: Hardware}, {profile name: replay parameters}) fitted to `measurements`.
+
+  The real setting has one more unknown: the speed at which the process that shares its core
+  computes. The controllers measured its scheduler share (`contention_speed`, a median, and its
+  10th to 90th percentile); the fit takes the speed in that range whose replays match the
+  measured step times and ratios best (`_loss`, over `seeds` of the simulated noise), on a grid
+  of `grid_step` (or among `contention_speeds`), fitting the step constants at each.
+  """
+  moves = fit_moves(measurements["migrate"])
+  emu = measurements["emulated"]
+  emulated = hardware_lib.Hardware(
+      EMULATED, device_flops=1e10, cores=2, emulated=True, step_noise=step_noise(emu["records"]),
+      sample_s=float(np.mean(emu["sample_s"])),
+      source="fitted by semijax.sim.calibrate to straggler_emulated and migrate", **moves)
+  emulated = fit_steps(emu, emulated, iterations)
+  real = measurements["real"]
+  cpu = hardware_lib.Hardware(
+      REAL, device_flops=1e10, move_fixed_s=float(np.median(real["warmup_move_s"])),
+      sample_s=net_sample_s(real), sample_noise=sample_noise(real["idle_min_speeds"]),
+      step_noise=step_noise(real["records"]),
+      source="fitted by semijax.sim.calibrate to straggler_real")
+  lo, hi = np.percentile(real["contended_speeds"], [10, 90])
+  best = None
+  grid = np.arange(lo, hi + 1e-9, grid_step) if contention_speeds is None else contention_speeds
+  for speed in grid:
+    hw = fit_steps(real, cpu, iterations, contention_speed=float(speed))
+    loss = _loss(check(real, hw, seeds=seeds, contention_speed=float(speed)))
+    if best is None or loss < best[0]:
+      best = (loss, float(speed), hw)
+  _, speed, cpu = best
+  return ({EMULATED: emulated, REAL: cpu},
+          {EMULATED: {}, REAL: {"contention_speed": speed,
+                                "contention_speed_range": [float(lo), float(hi)]}})
+
+
+# --- the check -----------------------------------------------------------------------------------
+
+
+def check(measured: dict, hw: hardware_lib.Hardware, *, seeds=(0, 1, 2),
+          contention_speed: float | None = None) -> list[dict]:
+  """One row per measured run: predicted (the mean over `seeds` of the simulated noise) vs
+  measured mean step time, tokens/s and ratios to `even` and to the oracle (`static`) of its
+  scenario (repeats of one measurement by their median, `REPEATS`); `*_error` = predicted /
+  measured - 1."""
+  rows = []
+  for rec in measured["records"]:
+    runs = [replay(measured, rec, hw, seed, contention_speed) for seed in seeds]
+    rows.append({"scenario": rec["scenario"], "policy": rec["policy"],
+                 "measured_s": float(np.mean(rec["step_times_s"])),
+                 "predicted_s": float(np.mean([r.step_s.mean() for r in runs])),
+                 "measured_tps": rec["tokens_per_s"],
+                 "predicted_tps": float(np.mean([r.tokens_per_s for r in runs])),
+                 "measured_migrations": rec["migrations"],
+                 "predicted_migrations": float(np.mean([r.stat("migrations") for r in runs]))})
+  _pool_repeats(rows)
+  by = {(x["scenario"], x["policy"]): x for x in rows}
+  for x in rows:
+    x["step_error"] = x["predicted_s"] / x["measured_s"] - 1
+    for ref, name in (("even", "vs_even"), ("static", "vs_oracle")):
+      other = by.get((x["scenario"], ref))
+      if other is None:
+        continue
+      meas = x["measured_tps"] / other["measured_tps"]
+      pred = x["predicted_tps"] / other["predicted_tps"]
+      x[f"measured_{name}"], x[f"predicted_{name}"] = meas, pred
+      x[f"{name}_error"] = pred / meas - 1
+  return rows
+
+
+# Runs of the straggler benchmark that train the same split the same way: in `none` nobody is
+# slow, so these policies all run the even split's single-width step and never change it (the
+# benchmark's `SAME_SPLIT_POLICIES`, which it reads as the noise of one run). They are repeats of
+# one measurement; a replay is compared with their median.
+REPEATS = {"none": ("even", "static", "resize", "migrate", "semi")}
+
+
+def _pool_repeats(rows: list[dict]) -> None:
+  """Sets the measured step time and tokens/s of every run in a `REPEATS` group to the group's
+  median (the single values stay in `measured_single_*`)."""
+  for scenario, policies in REPEATS.items():
+    group = [x for x in rows if x["scenario"] == scenario and x["policy"] in policies]
+    if len(group) < 2:
+      continue
+    step = float(np.median([x["measured_s"] for x in group]))
+    tps = float(np.median([x["measured_tps"] for x in group]))
+    for x in group:
+      x["measured_single_s"], x["measured_single_tps"] = x["measured_s"], x["measured_tps"]
+      x["measured_s"], x["measured_tps"] = step, tps
+
+
+def worst(rows: list[dict]) -> dict:
+  """The largest absolute errors of `check` rows: step time, ratio to even, ratio to oracle."""
+  out = {}
+  for key in ("step_error", "vs_even_error", "vs_oracle_error"):
+    vals = [abs(x[key]) for x in rows if key in x]
+    out[key] = max(vals) if vals else 0.0
+  return out
+
+
+def markdown(rows: list[dict], title: str) -> str:
+  """The `check` rows as a markdown table."""
+  pct = lambda v: "–" if v is None else f"{v:+.1%}"
+  num = lambda v: "–" if v is None else f"{v:.2f}"
+  lines = [f"#### {title}", "", "| scenario | policy | measured s/step | predicted | error "
+           "| vs even: measured | predicted | error | vs oracle: measured | predicted | error "
+           "| migrations: measured | predicted |", "|---" * 13 + "|"]
+  for x in rows:
+    lines.append(
+        f"| {x['scenario']} | {x['policy']} | {x['measured_s']:.4f} | {x['predicted_s']:.4f} "
+        f"| {pct(x['step_error'])} | {num(x.get('measured_vs_even'))} "
+        f"| {num(x.get('predicted_vs_even'))} | {pct(x.get('vs_even_error'))} "
+        f"| {num(x.get('measured_vs_oracle'))} | {num(x.get('predicted_vs_oracle'))} "
+        f"| {pct(x.get('vs_oracle_error'))} | {x['measured_migrations']} "
+        f"| {x['predicted_migrations']:.1f} |")
+  return "\n".join(lines) + "\n"
