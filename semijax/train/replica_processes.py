@@ -10,13 +10,15 @@ The clock is the wall clock (real speeds, e.g. a competing process on one core).
 after training on the copies of the parameters kept when the samples applied crossed a multiple
 of eval_every x batch_size, so it never delays a replica; the summary's "sync"/"curve" pairs each
 with the seconds since the start at which it existed. Metrics are written by process 0 for the
-rounds it is in. These runs keep no checkpoints yet (the in-flight state lives in several
-processes); a run in a workdir that holds one is refused.
+rounds it is in, and it writes every round (members, staleness, microbatches, seconds) to
+workdir/sync_rounds.json. These runs keep no checkpoints yet (the in-flight state lives in
+several processes); a run in a workdir that holds one is refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Callable
 
@@ -31,6 +33,9 @@ from semijax.sync import real as real_lib
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import replica_loop
+
+
+ROUNDS_NAME = "sync_rounds.json"
 
 
 def say(message: str) -> None:
@@ -193,6 +198,9 @@ def _summary(run, writer, records, curve, val) -> dict:
                                   "sync/elapsed_s": x["elapsed_s"]})
   if rounds:
     writer.write(rounds[-1]["version"], {**val, "sync/samples": samples})
+  if jax.process_index() == 0:
+    with open(os.path.join(writer.workdir, ROUNDS_NAME), "w") as f:
+      json.dump({"mode": run.sync.mode, "rounds": rounds, "curve": curve}, f)
   items = samples * run.model.items_per_example
   summary = {"steps": len(rounds), "start_step": 0,
              "train/loss": losses[-1] if losses else float("nan"), **val,

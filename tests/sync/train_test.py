@@ -1,0 +1,133 @@
+"""train_and_evaluate with config.sync on emulated replicas (one process, 8 fake devices).
+
+Equal replicas: ssaw and async take exactly sync's steps (bit-identical losses), also on an
+uneven tensor layout with a slow tensor device. Slow replicas: every sample of the budget is
+applied exactly once, the fast take more of it, no gradient is staler than the bound. A run
+resumed from a checkpoint (which holds the in-flight gradients, or local SGD's replicas)
+continues exactly.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import helpers as H
+from helpers import tiny_gpt
+from semijax.sync import rounds as rounds_lib
+from semijax.train import config as config_lib
+from semijax.train import data as data_lib
+from semijax.train import loop as train
+from semijax.train import metrics
+from semijax.train import replica_loop
+
+ENGINES: dict = {}       # compiled steps shared by the runs of this module
+
+
+def config(mode="sync", slowdown=None, steps=4, tensor=2, data=4, **kw):
+  c = tiny_gpt(tensor=tensor, steps=steps)
+  c.mesh.data = data
+  c.sync.mode = mode
+  c.checkpoint_every = 0
+  if slowdown is not None:
+    c.hetero.replica_slowdown = slowdown
+  for key, value in kw.items():
+    node, _, field = key.rpartition(".")
+    (c[node] if node else c)[field] = value
+  return c
+
+
+def run(c, workdir):
+  return train.train_and_evaluate(c, str(workdir), engine_cache=ENGINES)
+
+
+@pytest.mark.parametrize("layout", [{}, {"layout.mlp": (40, 24), "layout.heads": (5, 3),
+                                         "hetero.slowdown": (1.0, 2.0)}])
+def test_equal_replicas_train_exactly_like_sync(tmp_path, layout):
+  reference = run(config(**layout), tmp_path / "sync")
+  for mode in ("ssaw", "async"):
+    out = run(config(mode, **layout), tmp_path / mode)
+    assert out["losses"] == reference["losses"], mode
+    assert out["val/loss"] == reference["val/loss"], mode
+    assert out["steps"] == 4 and out["sync"]["samples"] == 4 * 8
+
+
+def test_slow_replicas_use_every_sample_once_and_the_fast_take_more(tmp_path):
+  c = config("ssaw", (1.0, 1.0, 2.0, 4.0), steps=5, **{"sync.staleness_bound": 2})
+  out = run(c, tmp_path)
+  owned = out["sync"]["microbatches"]
+  assert sorted(j for m in owned for j in m) == list(range(5 * 4))
+  assert len(owned[0]) > len(owned[2]) > len(owned[3])
+  assert out["sync"]["samples"] == 5 * 8 and out["steps"] > 5
+  records = metrics.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert max(r["sync/max_staleness"] for r in records) <= 2
+  assert max(r["sync/max_staleness"] for r in records) >= 1
+  assert np.isfinite(out["val/loss"])
+
+
+def test_every_image_of_the_budget_once(tmp_path):
+  # ViT digits: the samples are positions in the epoch's order; the applied microbatches cover
+  # the first steps x batch_size of them, each exactly once.
+  c = H.load("vit_digits")
+  c.model.update(dict(d_model=32, num_heads=4, d_ff=32, num_layers=1))
+  c.mesh.data, c.mesh.tensor = 4, 2
+  c.batch_size, c.steps, c.eval_every, c.checkpoint_every = 16, 6, 3, 0
+  c.sync.mode, c.hetero.replica_slowdown = "async", (1.0, 3.0, 1.0, 1.0)
+  out = train.train_and_evaluate(c, str(tmp_path))
+  run_config = config_lib.validate(c)
+  dataset = data_lib.build(run_config.data)
+  batches = replica_loop.Batches(dataset, 4)
+  rows = 16 // 4
+  used = []
+  for r, mbs in enumerate(out["sync"]["microbatches"]):
+    for j in mbs:
+      positions = dataset.train_positions(j // 4)[(j % 4) * rows:(j % 4 + 1) * rows]
+      np.testing.assert_array_equal(dataset.images[dataset.train_index[positions]],
+                                    batches.microbatch(j)["images"])
+      used.extend(positions.tolist())
+  assert sorted(used) == sorted(dataset.epoch_order(0)[:6 * 16].tolist())
+  assert len(set(used)) == 6 * 16
+  assert len(out["sync"]["microbatches"][1]) < len(out["sync"]["microbatches"][0])
+
+
+class Interrupt(Exception):
+  pass
+
+
+def interrupted(monkeypatch, cls, name, calls):
+  original = getattr(cls, name)
+  count = {"n": 0}
+
+  def patched(self, *a, **kw):
+    count["n"] += 1
+    if count["n"] > calls:
+      raise Interrupt()
+    return original(self, *a, **kw)
+  monkeypatch.setattr(cls, name, patched)
+
+
+@pytest.mark.parametrize("mode, extra, cls, name", [
+    ("ssaw", {}, rounds_lib.RoundRunner, "round"),
+    ("local_sgd", {"sync.local_steps": 2, "sync.outer": "nesterov"}, replica_loop._LocalSGD,
+     "update")])
+def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name):
+  c = lambda: config(mode, (1.0, 2.0, 1.0, 3.0), steps=5, checkpoint_every=3, **extra)
+  reference = run(c(), tmp_path / "ref")
+  workdir = tmp_path / "run"
+  with monkeypatch.context() as m:
+    interrupted(m, cls, name, 4)       # checkpoint after update 3, stopped in update 5
+    with pytest.raises(Interrupt):
+      run(c(), workdir)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["3"]
+  resumed = run(c(), workdir)
+  assert resumed["start_step"] == 3
+  assert resumed["losses"] == reference["losses"][3:]
+  assert resumed["val/loss"] == reference["val/loss"]
+  assert resumed["sync"]["microbatches"] == reference["sync"]["microbatches"]
+
+
+@pytest.mark.parametrize("mode, expected", [("sync", (3.0, 6.0)), ("ssaw", (1.0, 2.0))])
+def test_a_sync_step_waits_for_the_slowest_replica(mode, expected):
+  c = config(mode, (1.0, 3.0, 1.0, 1.0), **{"hetero.slowdown": (1.0, 2.0)})
+  emulator = train.build_emulator(config_lib.validate(c))
+  assert emulator.hetero.slowdown == expected
