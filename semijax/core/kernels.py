@@ -9,9 +9,16 @@ run GEMMs at the capacity C, so each block is compiled at a few bucket widths an
 picks, per device and at run time, the smallest width >= active[d] (`at_width`). The branch index
 is data, so changing counts or actives inside a capacity bucket never recompiles.
 
-Each branch is rematerialized (`jax.checkpoint`) in the backward pass. Without it `lax.cond` keeps
-the residuals of *every* branch, zero-filled for the branches not taken, which costs more than
-the recomputed forward and makes small widths as slow as large ones.
+What a branch keeps for the backward pass decides what the branched step costs (`BRANCH_MODES`,
+measured by experiments/bench_widths.py). `lax.switch` under autodiff keeps the residuals of
+*every* branch, zero-filled for the branches not taken, and merges only residuals of the same
+shape and dtype across branches. So each branch is checkpointed (`jax.checkpoint`) with a policy
+that saves only its GEMM outputs (`SAVED`: the column GEMMs' results, and attention's output
+before the row GEMM), each padded to the capacity C: every branch then saves the same shapes, the
+switch keeps one set of residuals, and the backward pass recomputes only elementwise work and
+the attention scores, not the GEMMs. (Rematerializing the whole branch instead, the "remat"
+mode, reruns every forward GEMM in the backward pass; keeping plain residuals, "residuals",
+zero-fills every branch's own.)
 
 `Cut` describes what a ZERO-resized device leaves out of a block (`core.resize`); `mlp_partial`
 and `attention_partial` compute one device's partial block output, exact or cut.
@@ -19,13 +26,36 @@ and `attention_partial` compute one device's partial block output, exact or cut.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from jax import ad_checkpoint
+
+# What a branch keeps for the backward pass (see module doc): "saved" (the padded GEMM outputs,
+# named `SAVED`), "remat" (nothing: the whole forward pass reruns) or "residuals" (everything
+# autodiff keeps, per branch). Benchmarks compare them with `branching`.
+BRANCH_MODES = ("saved", "remat", "residuals")
+SAVED = "semijax_branch_saved"
+_branch_mode = "saved"
+
+
+@contextlib.contextmanager
+def branching(mode: str) -> Iterator[None]:
+  """Traces the branched blocks inside the `with` in branch mode `mode` (`BRANCH_MODES`), for
+  benchmarks; a function traced earlier keeps the mode it was traced with."""
+  global _branch_mode
+  if mode not in BRANCH_MODES:
+    raise ValueError(f"branch mode: {mode!r} is not one of {BRANCH_MODES}")
+  old, _branch_mode = _branch_mode, mode
+  try:
+    yield
+  finally:
+    _branch_mode = old
 
 
 def bucket_index(active: jax.Array, widths: tuple[int, ...]) -> jax.Array:
@@ -37,8 +67,24 @@ def at_bucket(index: jax.Array, variants: tuple, fn: Callable, *operands):
   """Runs `fn(variants[index], *operands)`: static variants, a traced index (see module doc)."""
   if len(variants) == 1:
     return fn(variants[0], *operands)
-  branches = [jax.checkpoint(functools.partial(fn, v)) for v in variants]
+  branches = [functools.partial(fn, v) for v in variants]
+  if _branch_mode == "saved":
+    policy = jax.checkpoint_policies.save_only_these_names(SAVED)
+    branches = [jax.checkpoint(b, policy=policy) for b in branches]
+  elif _branch_mode == "remat":
+    branches = [jax.checkpoint(b) for b in branches]
   return jax.lax.switch(index, branches, *operands)
+
+
+def saved(a: jax.Array, capacity: int) -> jax.Array:
+  """`a` [..., n], a GEMM output a branch keeps for its backward pass: padded to [..., capacity]
+  with zeros and named `SAVED` (so that every branch keeps the same shape), then cut back to n.
+  The identity outside a checkpointed branch."""
+  n = a.shape[-1]
+  if n >= capacity:
+    return ad_checkpoint.checkpoint_name(a, SAVED)
+  pad = [(0, 0)] * (a.ndim - 1) + [(0, capacity - n)]
+  return ad_checkpoint.checkpoint_name(jnp.pad(a, pad), SAVED)[..., :n]
 
 
 def at_width(active: jax.Array, widths: tuple[int, ...], fn: Callable, *operands):
@@ -143,7 +189,7 @@ def _column(x, w, b, width, unit_size, cut):
   """
   n = width * unit_size
   if cut is None:
-    return x @ w[:, :n] + b[:n]
+    return saved(x @ w[:, :n] + b[:n], w.shape[1])
   if cut.feats is None:
     take = lambda a, axis: permuted_take(a, cut.units, width, axis, unit_size)
     return x @ take(w, 1) + take(b, 0)
@@ -220,5 +266,8 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
     logits = jnp.where(keep, logits, jnp.finfo(logits.dtype).min)
   probs = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+  if cut is None:     # the row GEMM's input, kept by a branch (see `saved`)
+    flat = saved(out.reshape(*out.shape[:-2], width * head_dim), wo.shape[0])
+    out = flat.reshape(out.shape)
   out = out * unit_mask(width, _computed(width, active, cut), out.dtype)[:, None]
   return _row(out, wo, width, head_dim, cut)

@@ -20,6 +20,11 @@ from semijax.core import mesh as mesh_lib
 from semijax.core import offload as offload_lib
 from semijax.core.plan import Plan
 
+# The name scope of the split work of a block (what balancing moves between devices), so that
+# a profile can tell it from the work every device repeats (benchmarks/breakdown.py).
+BLOCK_SCOPE = "tp_block"
+
+
 def _resized(plan: Plan, kind: str, fn: Callable, x, weights, active):
   """The partial output of one device under a `resize.Resize` plan.
 
@@ -87,13 +92,14 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights, units=None):
   # outside the per-device branches: then the all-reduce of its gradient is not inside every
   # branch, where a branch without one would leave the other devices waiting.
   x = x + (active * 0).astype(x.dtype)
-  if plan.offload is not None:
-    if units is None or len(units) != len(weights):
-      raise ValueError(f"tp.row_parallel.units: offload needs (axis, unit size) for each of the "
-                       f"{len(weights)} weights of {kind}, got {units!r}")
-    y, _ = offload_lib.block_partial(plan.offload[kind], widths, fn, x, weights, units)
-  elif plan.resize is None:
-    y = kernels.at_width(active, widths, fn, x, *weights, active)
-  else:
-    y = _resized(plan, kind, fn, x, weights, active)
+  with jax.named_scope(BLOCK_SCOPE):
+    if plan.offload is not None:
+      if units is None or len(units) != len(weights):
+        raise ValueError(f"tp.row_parallel.units: offload needs (axis, unit size) for each of "
+                         f"the {len(weights)} weights of {kind}, got {units!r}")
+      y, _ = offload_lib.block_partial(plan.offload[kind], widths, fn, x, weights, units)
+    elif plan.resize is None:
+      y = kernels.at_width(active, widths, fn, x, *weights, active)
+    else:
+      y = _resized(plan, kind, fn, x, weights, active)
   return jax.lax.psum(y, mesh_lib.TENSOR)
