@@ -15,7 +15,12 @@ chooses among them, normally with `choose_with_hysteresis`:
 
 A migration is amortized over how long the current speeds are expected to last
 (`speed.SpeedTracker.expected_remaining_s`) and charged twice while someone is slow (there and,
-later, back); resizing is charged `resize_penalty` of its step time for its accuracy cost.
+later, back). Resizing costs accuracy, so it must earn it: a resized step that leaves out a
+share f of the model's work (`cost.CostModel.skipped_share`) makes about 1 - f of a step's
+progress, so its predicted time is divided by 1 - f (and raised by `resize_penalty`); and the
+controller keeps a running budget (`skip_budget`): the work skipped so far (in steps' worth of
+the whole model) stays below `skip_budget` x the steps run so far, so a run never resizes in
+its first steps and never skips more than that share overall (`within_skip_budget`).
 Every decision carries its reason and its predictions.
 """
 
@@ -47,13 +52,14 @@ class Decision:
   predicted_s: dict             # {candidate: predicted seconds per step, amortized}
   speeds: tuple
   expected_s: float             # expected remaining duration of the current speeds
+  skipped_steps: float = 0.0    # work resizing skipped before this step, in whole-model steps
 
   def to_json(self) -> dict:
     return {"step": self.step, "choice": self.choice, "changed": self.changed,
             "moves": self.moves, "reason": self.reason,
             "predicted_s": {k: round(v, 6) for k, v in self.predicted_s.items()},
             "speeds": [round(s, 4) for s in self.speeds], "expected_s": round(self.expected_s, 3),
-            **self.setup.describe()}
+            "skipped_steps": round(self.skipped_steps, 4), **self.setup.describe()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,9 @@ class Controller:
     self.unit_bytes = dict(unit_bytes or {})
     self.last_move_step = -10 ** 9
     self._streak = (None, 0)   # (candidate waiting for patience, consecutive wins)
+    self.step = 0              # the step being decided
+    self.skipped_steps = 0.0   # work skipped so far, in whole-model steps (see `account`)
+    self._counted = None       # the step up to which skipped work is counted
 
   # --- what the policies build candidates from ------------------------------------------------
 
@@ -124,14 +133,39 @@ class Controller:
       keep.append(k)
     return None if all(k == 1.0 for k in keep) else tuple(keep)
 
+  # --- the accuracy budget ----------------------------------------------------------------------
+
+  def account(self, step: int) -> None:
+    """Adds the work the current setup skipped in the steps before 0-based `step`."""
+    if self._counted is not None and step > self._counted:
+      self.skipped_steps += self.cost.skipped_share(self.setup) * (step - self._counted)
+    self._counted = step if self._counted is None else max(self._counted, step)
+
+  def within_skip_budget(self, setup: Setup) -> bool:
+    """Whether one more step of `setup` keeps the skipped work within `skip_budget` of the
+    steps run so far (always, for a setup that skips nothing)."""
+    share = self.cost.skipped_share(setup)
+    return share == 0 or (self.skipped_steps + share
+                          <= self.settings.skip_budget * (self.step + 1) + 1e-12)
+
+  def migration_pays(self, migrate: Setup | None, speeds, expected_steps: float) -> bool:
+    """Whether `migrate` (or None) is predicted, amortized, faster than the exact current split
+    by the hysteresis."""
+    if migrate is None:
+      return False
+    exact = self.predict(self.setup.exact(), speeds, expected_steps)
+    return self.predict(migrate, speeds, expected_steps) < exact * (1 - self.settings.hysteresis)
+
   # --- prediction -----------------------------------------------------------------------------
 
   def predict(self, setup: Setup, speeds, expected_steps: float) -> float:
-    """Predicted seconds per step of `setup`, including its amortized switching cost."""
+    """Predicted seconds per step of `setup`, including its amortized switching cost and, for a
+    resized setup, the learning it skips (see module doc)."""
     s = self.settings
     t = self.cost.compute_s(setup, speeds)
     if setup.keep is not None:
-      t *= 1 + s.resize_penalty
+      kept = max(1.0 - self.cost.skipped_share(setup), 1e-6)
+      t *= (1 + s.resize_penalty) / kept
     if setup.offloaded:
       t += self.cost.offload_bytes(setup, self.unit_bytes) / self.cost.bytes_per_s
     if setup.owned != self.setup.owned:
@@ -147,6 +181,8 @@ class Controller:
     speeds, the recent measured seconds per step and whether the speeds are a newly confirmed
     regime (`speed.SpeedTracker.update` returned True since the last decision)."""
     speeds = np.asarray(speeds, np.float64)
+    self.account(step)
+    self.step = step
     expected_steps = expected_s / max(step_s, 1e-9)
     cands = {"exact": self.setup.exact(),
              **self.policy.candidates(self, speeds, expected_steps)}
@@ -166,7 +202,7 @@ class Controller:
       self._streak = (None, 0)
     self.setup = new
     return Decision(step, choice, new, changed, moves, reason, {"current": now, **pred},
-                    tuple(float(x) for x in speeds), float(expected_s))
+                    tuple(float(x) for x in speeds), float(expected_s), self.skipped_steps)
 
   def choose_with_hysteresis(self, o: Options) -> tuple[str, str]:
     """(candidate, reason) under hysteresis, patience and dwell (see module doc)."""

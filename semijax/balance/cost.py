@@ -12,8 +12,10 @@ width of its kept units; in contraction mode its owned width with the GEMM part 
 FLOPs scaled by the compiled fraction >= its keep ratio (the attention products over the
 sequence are not contracted). `b` is 1 for an exact setup in which every device executes the
 same width (the single-width step, `core.plan.uniform_widths`), else 1 + `branch_overhead`
-(per-device branches rematerialize the forward pass). `fixed` and `per_load` are calibrated online
-from measured step times (`observe`); the move cost from a timed migration (`observe_move`).
+(the branched step's `lax.switch`, measured). `fixed` and `per_load` are calibrated online from
+measured step times (`observe`); the move cost from a timed migration (`observe_move`).
+`skipped_share` is the share of the model's work a resized setup leaves out (the learning it
+skips, which the controller charges).
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ import numpy as np
 
 from semijax.core import resize as resize_lib
 
-# The branched step rematerializes the forward pass: a third of forward plus backward more.
-BRANCH_OVERHEAD = 1 / 3
+# The branched step over the single-width step at the same largest width, less one: measured on
+# this machine at 1.00-1.07 for the benchmark's model (experiments/bench_widths.py and
+# bench_breakdown.py, CPU time; each branch keeps its padded GEMM outputs, `core.kernels`). The
+# forward pass rematerialized in every branch cost about 1.03-1.09 there, not the third of
+# forward plus backward that rerunning every forward GEMM would.
+BRANCH_OVERHEAD = 0.05
 # A fitted line replaces the prior only with this many (faded) samples ...
 MIN_FIT_SAMPLES = 4
 # ... whose critical loads vary by at least this (relative std: a line through one x is noise) ...
@@ -151,6 +157,26 @@ class CostModel:
         helped = max(computed[d] - setup.owned[kind][d], 0)
         out[d] += self.unit_flops[kind] * (self._own_work(kind, own, keep) + helped)
     return out / self.total
+
+  def skipped_share(self, setup: Setup) -> float:
+    """Share of the model's block work (owned units, FLOPs-weighted) that `setup` leaves out:
+    0 for an exact setup; skipped units (units mode) or the skipped part of each GEMM's
+    contraction (contraction mode) of every resized device."""
+    if setup.keep is None:
+      return 0.0
+    skipped = 0.0
+    for kind, owned in setup.owned.items():
+      for d, own in enumerate(owned):
+        keep = setup.keep[d]
+        if keep >= 1.0 or own <= 0:
+          continue
+        if self.resize_mode == "units":
+          units = own - resize_lib.kept_count(keep, own)
+        else:
+          frac = self.fractions[resize_lib.fraction_index(keep, self.fractions)]
+          units = own * self.gemm_share[kind] * (1.0 - frac)
+        skipped += self.unit_flops[kind] * units
+    return skipped / self.total
 
   def branched(self, setup: Setup) -> bool:
     """Whether `setup` runs the branched (rematerializing) step while a single-width one exists

@@ -189,8 +189,12 @@ class Offload(Controlled):
 
 
 class Semi(Controlled):
-  """SEMI-migration: exact, resize (within `resize_horizon_steps` and `resize_budget`) or
-  migrate, whichever the cost model predicts fastest."""
+  """SEMI-migration: exact, resize or migrate, whichever the cost model predicts fastest.
+
+  Resizing costs accuracy (the controller charges the learning a resized step skips), so it is a
+  candidate only within the skip budget (`skip_budget`, at most `resize_budget` of a device's
+  units), and only for slowdowns expected to end within `resize_horizon_steps` or while a
+  migration does not pay yet (so that a lasting slowdown is migrated, not resized)."""
 
   name = "semi"
   moves = True
@@ -199,14 +203,16 @@ class Semi(Controlled):
   def candidates(self, controller, speeds, expected_steps):
     out = {}
     owned = controller.setup.owned
-    # Resizing costs accuracy, and is free to start: only for slowdowns expected to end soon.
-    if expected_steps <= self.settings.resize_horizon_steps:
-      keep = controller.equalizing_keep(owned, speeds)
-      if keep is not None:
-        out["resize"] = Setup(owned, owned, keep)
     target = controller.target_counts(speeds)
     if target != owned:
       out["migrate"] = Setup(target, target, None)
+    keep = controller.equalizing_keep(owned, speeds)
+    if keep is not None:
+      resize = Setup(owned, owned, keep)
+      short = expected_steps <= self.settings.resize_horizon_steps
+      if ((short or not controller.migration_pays(out.get("migrate"), speeds, expected_steps))
+          and controller.within_skip_budget(resize)):
+        out["resize"] = resize
     return out
 
 

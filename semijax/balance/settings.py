@@ -38,8 +38,12 @@ class BalanceSettings:
     slow_threshold: relative speed below which a device counts as slow.
     resize_budget: semi: the largest share of a device's units it may skip.
     resize_keep: the resize policy's keep ratio of a slow device (the authors' 0.5).
-    resize_penalty: the accuracy cost of resizing, as a share of its step time.
-    resize_horizon_steps: semi resizes only slowdowns expected to end within this many steps.
+    resize_penalty: a price on resizing, as a share of its step time, on top of the learning
+      a resized step skips (the controller divides its time by the share of work it keeps).
+    resize_horizon_steps: semi resizes only slowdowns expected to end within this many steps,
+      or while migrating does not pay yet.
+    skip_budget: semi's running budget of skipped work: the units x steps it skipped stay
+      below this share of all units x steps run so far (0 = never resize).
     keep_grid: semi picks keep ratios on a grid of 1/keep_grid.
   The cost model:
     fixed_fraction: prior share of a step that no split changes (until the fit knows better).
@@ -66,6 +70,7 @@ class BalanceSettings:
   resize_keep: float = 0.5
   resize_penalty: float = 0.05
   resize_horizon_steps: float = 8
+  skip_budget: float = 0.02
   keep_grid: int = 8
   fixed_fraction: float = 0.1
   cost_alpha: float = 0.3
@@ -81,6 +86,7 @@ class BalanceSettings:
     for name, lo, hi, closed in (
         ("hysteresis", 0, 1, False), ("slow_threshold", 0, 1, False),
         ("resize_budget", 0, 1, False), ("resize_penalty", 0, 1, False),
+        ("skip_budget", 0, 1, False),
         ("fixed_fraction", 0, 1, False), ("resize_keep", 0, 1, True),
         ("speed_alpha", 0, 1, True), ("cost_alpha", 0, 1, True),
         ("change_threshold", 0, 1, True)):

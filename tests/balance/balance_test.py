@@ -73,9 +73,10 @@ def test_offload_is_exact_and_compiles_nothing_after_warmup(tmp_path, even):
 
 @pytest.mark.slow
 def test_semi_resizes_a_short_slowdown(tmp_path, even):
-  # No room to migrate (capacity = the even share) and a horizon longer than the run: resizing
-  # the slow device is the only faster option.
-  summary, workdir = run(tmp_path, "semi", resize_horizon_steps=1000, capacity_factor=1.0)
+  # No room to migrate (capacity = the even share), a horizon longer than the run and a skip
+  # budget that allows it from the start: resizing the slow device is the only faster option.
+  summary, workdir = run(tmp_path, "semi", resize_horizon_steps=1000, capacity_factor=1.0,
+                         skip_budget=0.9)
   b = summary["balance"]
   assert b["compiles_after_warmup"] == 0
   records = decisions(workdir)

@@ -56,18 +56,19 @@ def test_cost_model_hand_computed():
 
 def test_cost_model_charges_the_branched_step():
   # With a single-width step at width 4, the even exact setup runs it (factor 1); every other
-  # setup runs the branched step, which rematerializes the forward: factor 1 + 1/3.
+  # setup runs the branched step: factor 1 + branch_overhead (here 1/4).
   cost = cost_lib.CostModel({"mlp": 1.0, "heads": 0.0}, {"mlp": (2, 4, 6, 8), "heads": (1, 2)},
                             {"mlp": 8, "heads": 2}, fixed_fraction=0.1,
-                            narrow={"mlp": 4, "heads": 1})
+                            narrow={"mlp": 4, "heads": 1}, branch_overhead=0.25)
   cost.observe(ctl.Setup.of(OWNED), SLOW, 1.0)        # as above: fixed 0.1, per_load 0.9
   assert cost.per_load_s == pytest.approx(0.9)
   assert not cost.branched(ctl.Setup.of(OWNED))
   moved = ctl.Setup.of({"mlp": (6, 2), "heads": (1, 1)})
   assert cost.branched(moved) and cost.branched(ctl.Setup(OWNED, OWNED, (1.0, 0.5)))
-  assert cost.compute_s(moved, SLOW) == pytest.approx(0.1 + 0.9 * 4 / 3 * 0.75)
+  assert cost.compute_s(moved, SLOW) == pytest.approx(0.1 + 0.9 * 1.25 * 0.75)
   assert cost.compute_s(ctl.Setup(OWNED, OWNED, (1.0, 0.5)), SLOW) == pytest.approx(
-      0.1 + 0.9 * 4 / 3 * 0.5)
+      0.1 + 0.9 * 1.25 * 0.5)
+  assert 0 < cost_lib.BRANCH_OVERHEAD <= 0.1     # measured (experiments/bench_widths.py)
   # (3, 5) executes widths (4, 6): not one width, so branched.
   assert cost.branched(ctl.Setup.of({"mlp": (3, 5), "heads": (1, 1)}))
 
@@ -117,7 +118,7 @@ def test_amortization_decides_whether_a_migration_pays():
 
 
 def test_semi_resizes_a_new_slowdown_then_migrates_then_moves_back():
-  c = controller(patience=2, min_dwell_steps=3, resize_horizon_steps=5)
+  c = controller(patience=2, min_dwell_steps=3, resize_horizon_steps=5, skip_budget=0.9)
   choices, changes = [], 0
   start = 3
   for step in range(40):
@@ -132,9 +133,9 @@ def test_semi_resizes_a_new_slowdown_then_migrates_then_moves_back():
   assert all(by_step[s][0] == "exact" and by_step[s][2] is None for s in range(3))
   # Patience 2: the slowdown is resized at its second decision, within the 5-step horizon.
   assert by_step[3][0] == "exact" and by_step[4] == ("resize", (4, 4), (1.0, 0.5))
-  # Step 9 is beyond the horizon (expected 6 steps > 5): no more resizing. Migrating predicts
-  # 0.775 + 2 * 0.5 / 6 = 0.94 < 1.0 and, replacing a resize, moves at once (no patience, so
-  # no exact steps in between).
+  # Step 9 is beyond the horizon (expected 6 steps > 5) and migrating pays (0.775 + 2 * 0.5 / 6
+  # = 0.94 < 0.95 x 1.0): no more resizing. Replacing a resize, the migration moves at once (no
+  # patience, so no exact steps in between).
   assert by_step[8][0] == "resize" and by_step[9] == ("migrate", (6, 2), None)
   migrated = [s for s, ch, owned, keep in choices if owned == (6, 2)]
   assert migrated[0] == 9
@@ -148,14 +149,16 @@ def test_semi_resizes_a_new_slowdown_then_migrates_then_moves_back():
 
 def test_a_newly_confirmed_regime_needs_no_patience():
   # The tracker's change detection already debounced the speeds: the first decision after it
-  # confirmed a slowdown resizes (predicted (0.1 + 0.9 * 0.5) * 1.05 s vs 1.0 s) at once.
-  c = controller(patience=3, resize_horizon_steps=5)
+  # confirmed a slowdown resizes at once. Keeping 2 of device 1's 4 units skips 2 of 8 units:
+  # predicted (0.1 + 0.9 * 0.5) * 1.05 / (1 - 0.25) = 0.77 s vs 1.0 s.
+  c = controller(patience=3, resize_horizon_steps=5, skip_budget=0.9)
   assert c.decide(0, EVEN, expected_s=1.0, step_s=1.0).choice == "exact"
   d = c.decide(1, SLOW, expected_s=1.0, step_s=1.0, new_regime=True)
   assert d.choice == "resize" and d.changed and "new regime" in d.reason
-  assert d.setup.keep == (1.0, 0.5) and d.predicted_s["resize"] == pytest.approx(0.55 * 1.05)
+  assert d.setup.keep == (1.0, 0.5)
+  assert d.predicted_s["resize"] == pytest.approx(0.55 * 1.05 / 0.75)
   # Without the confirmation, the same change waits for its patience.
-  c = controller(patience=3, resize_horizon_steps=5)
+  c = controller(patience=3, resize_horizon_steps=5, skip_budget=0.9)
   got = [c.decide(i, SLOW, expected_s=1.0, step_s=1.0).choice for i in range(3)]
   assert got == ["exact", "exact", "resize"]
 
@@ -313,3 +316,46 @@ def test_tracker_confirms_per_device():
   assert t.update([1.0, 2.0, 1.0], 8.0)
   np.testing.assert_allclose(t.speeds, [1.0, 0.5, 1.0])
   assert t.regime.start_s == 7.0
+
+
+def test_resizing_is_charged_for_the_learning_it_skips():
+  c = controller(skip_budget=0.9)
+  assert c.cost.skipped_share(ctl.Setup.of(OWNED)) == 0.0
+  half = ctl.Setup(OWNED, OWNED, (1.0, 0.5))               # 2 of 8 units (heads: no FLOPs)
+  assert c.cost.skipped_share(half) == pytest.approx(0.25)
+  assert c.cost.skipped_share(ctl.Setup(OWNED, OWNED, (0.25, 0.5))) == pytest.approx(
+      (3 + 2) / 8)
+  # Faster per step (0.55 s vs 1.0 s) but charged per unit of progress: 0.55 * 1.05 / 0.75.
+  assert c.predict(half, SLOW, 100.0) == pytest.approx(0.55 * 1.05 / 0.75)
+  # A resize that skips as much as it saves does not pay: speeds (1, 0.8) gain 20% on the
+  # slow device; keep 0.75 skips 1/8 of the work and the rest must beat 1 / (1 - 1/8).
+  c = controller(skip_budget=0.9, patience=1)
+  d = c.decide(0, (1.0, 0.8), expected_s=1.0, step_s=1.0, new_regime=True)
+  assert d.choice == "exact" and d.predicted_s["resize"] > d.predicted_s["exact"] * 0.95
+
+
+def test_skip_budget_holds_back_resizing_until_the_run_has_earned_it():
+  # Budget 0.1: the skipped work (0.25 of the model per resized step) stays below 0.1 x the
+  # steps run so far; so no resizing at the start, then about one resized step in 2.5.
+  c = controller(skip_budget=0.1, resize_horizon_steps=1000, patience=1, hysteresis=0.01)
+  choices = [c.decide(step, SLOW, expected_s=1.0, step_s=1.0).choice for step in range(40)]
+  assert choices[:2] == ["exact", "exact"]                   # 0.25 > 0.1 x 2 steps
+  resized = choices.count("resize")
+  assert 0 < resized and c.skipped_steps <= 0.1 * 40 + 1e-9
+  assert resized == pytest.approx(0.1 * 40 / 0.25, abs=1.5)
+  assert "skipped_steps" in c.decide(40, SLOW, expected_s=1.0, step_s=1.0).to_json()
+  # No budget: never resizes.
+  c = controller(skip_budget=0.0, resize_horizon_steps=1000, patience=1)
+  assert all(c.decide(s, SLOW, expected_s=1.0, step_s=1.0).choice == "exact" for s in range(10))
+
+
+def test_semi_resizes_a_lasting_slowdown_only_while_migrating_does_not_pay():
+  # Beyond the horizon, resizing is a candidate until migrating pays (expected duration long
+  # enough to amortize the move), then semi migrates.
+  c = controller(skip_budget=0.9, resize_horizon_steps=0, patience=1)
+  assert set(c.policy.candidates(c, SLOW, 2.0)) == {"resize", "migrate"}    # 1.275 > 1.0
+  assert set(c.policy.candidates(c, SLOW, 100.0)) == {"migrate"}             # 0.785 < 0.95
+  # Nothing to migrate to (the split cannot change): resizing stays a candidate.
+  c = controller(skip_budget=0.9, resize_horizon_steps=0, patience=1)
+  c.capacity = {"mlp": 4, "heads": 1}
+  assert set(c.policy.candidates(c, SLOW, 100.0)) == {"resize"}

@@ -111,9 +111,11 @@ def test_candidates_of_each_policy():
   c = controller("offload")
   off = c.policy.candidates(c, SLOW, 100)["offload"]
   assert off.owned == OWNED and off.computed["mlp"][0] < 16 and off.offloaded
-  c = controller("semi", resize_horizon_steps=8)
+  c = controller("semi", resize_horizon_steps=8, skip_budget=0.9)
   within, beyond = c.policy.candidates(c, SLOW, 5), c.policy.candidates(c, SLOW, 50)
   assert set(within) == {"resize", "migrate"} and set(beyond) == {"migrate"}
+  c = controller("semi", resize_horizon_steps=8)
+  assert set(c.policy.candidates(c, SLOW, 5)) == {"migrate"}   # default skip budget: none yet
   assert within["resize"].keep[0] < 1 and within["resize"].keep[1:] == (1.0, 1.0, 1.0)
   assert c.policy.candidates(c, EVEN, 5) == {}
 
@@ -125,7 +127,8 @@ def test_resize_policy_chooses_without_hysteresis():
 
 
 def test_semi_resizes_then_migrates():
-  c = controller("semi", patience=1, resize_horizon_steps=8)
+  c = controller("semi", patience=1, resize_horizon_steps=8, skip_budget=0.9)
+  c.cost.move_s = 1.0       # a move that 2 steps cannot amortize
   first = c.decide(0, SLOW, expected_s=2.0, step_s=1.0, new_regime=True)
   assert first.choice == "resize" and not first.moves
   later = c.decide(10, SLOW, expected_s=100.0, step_s=1.0)
