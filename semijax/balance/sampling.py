@@ -3,17 +3,28 @@
 Every `probe_every` steps (every step when the slowdown is emulated) `SpeedSampler.after_step`
 takes one sample: each process measures its devices (`speed.SchedShare` or `speed.Probe`), the
 numbers and the mean step time since the last sample are shared between processes
-(`speed.gather_times`), and the tracker (`speed.SpeedTracker`) updates the regime. The shared
+(`KeyValueGather`), and the tracker (`speed.SpeedTracker`) updates the regime. The shared
 clock (the sum of shared mean step times) and the smoothed step time are identical on every
 process, so decisions taken from a sample are too.
+
+With a few processes, sharing goes through the job's key-value store (`jax.distributed`'s
+coordinator), not a device collective: a few hundred bytes per process, no XLA program and no
+device synchronization (measured here with 2 processes: 0.6 ms a sample, against 4-7 ms for
+`multihost_utils.process_allgather`), so that measuring costs almost nothing when nobody is
+slow. Every process reads every record from the coordinator, P^2 reads a sample, so beyond
+`KV_MAX_PROCESSES` processes the all-gather (`speed.gather_times`, which scales) is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import time
 
+import jax
 import numpy as np
+from jax._src import distributed as jax_distributed   # the job's key-value store client
 
 from semijax.balance import settings as settings_lib
 from semijax.balance import speed as speed_lib
@@ -50,6 +61,47 @@ class Sample:
     return self.times.min() / self.times
 
 
+_samplers = itertools.count()   # one key prefix per sampler (created in the same order everywhere)
+KV_MAX_PROCESSES = 16           # more processes share samples with the all-gather
+_WAIT_MS = 600_000              # the longest a process waits for the others' sample
+_KEEP = 2                       # samples whose keys a process keeps in the store
+
+
+class KeyValueGather:
+  """Shares per-device times (and one number per process) through the key-value store.
+
+  Call it with the same arguments as `speed.gather_times`, in the same order on every process;
+  each call posts this process's record under a new key and reads every other's (waiting for
+  it), then deletes this process's record of `_KEEP` calls ago (everybody has read it by then).
+  With one process, more than `KV_MAX_PROCESSES`, or without `jax.distributed`, it is
+  `speed.gather_times`.
+  """
+
+  def __init__(self):
+    self.client = None
+    if 1 < jax.process_count() <= KV_MAX_PROCESSES:
+      self.client = jax_distributed.global_state.client
+    self.prefix = f"semijax/speed/{next(_samplers)}/"
+    self.calls = 0
+
+  def __call__(self, local: dict[int, float], extra: float = 0.0):
+    """({device id: seconds} over all processes, max of `extra` over processes)."""
+    if self.client is None:
+      return speed_lib.gather_times(local, extra)
+    i, me = self.calls, jax.process_index()
+    self.calls += 1
+    self.client.key_value_set(f"{self.prefix}{i}/{me}",
+                              json.dumps([extra, [[int(k), float(v)] for k, v in local.items()]]))
+    times, most = {}, -np.inf
+    for p in range(jax.process_count()):
+      e, rows = json.loads(self.client.blocking_key_value_get(f"{self.prefix}{i}/{p}", _WAIT_MS))
+      times.update({int(k): float(v) for k, v in rows})
+      most = max(most, float(e))
+    if i >= _KEEP:
+      self.client.key_value_delete(f"{self.prefix}{i - _KEEP}/{me}")
+    return times, most
+
+
 def resolve_measure(measure: str, hetero: emulation.Hetero) -> str:
   """The speed source `measure` ("auto" resolved): emulated, sched or probe."""
   if measure != "auto":
@@ -81,6 +133,7 @@ class SpeedSampler:
     self.tracker = speed_lib.SpeedTracker(num_devices, alpha=settings.speed_alpha,
                                           threshold=settings.change_threshold,
                                           confirm=settings.confirm)
+    self.gather = KeyValueGather() if self.probe is not None else None
     self.clock_s = 0.0
     self.step_s = None          # the smoothed step time (STEP_TIME_ALPHA)
     self.samples = 0
@@ -95,7 +148,7 @@ class SpeedSampler:
   def start(self) -> None:
     """Ends warm-up: a barrier sample, so the first real one measures training steps only."""
     if self.probe is not None:
-      speed_lib.gather_times(self.probe.measure(), 0.0)
+      self.gather(self.probe.measure(), 0.0)
 
   def after_step(self, step: int, step_s: float) -> Sample | None:
     """Takes the measured seconds of 0-based `step`; returns a sample when one is due."""
@@ -104,7 +157,9 @@ class SpeedSampler:
       return None
     t0 = time.perf_counter()
     local = self.probe.measure() if self.probe is not None else {}
-    every, mean_s = speed_lib.gather_times(local, float(np.mean(self._pending)))
+    mean_s = float(np.mean(self._pending))
+    every, mean_s = (self.gather(local, mean_s) if self.gather is not None
+                     else speed_lib.gather_times(local, mean_s))
     if self.probe is not None:
       times = speed_lib.tensor_times(self.mesh, every)
     else:

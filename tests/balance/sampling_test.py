@@ -1,7 +1,9 @@
 """Speed sampling and the decision log, without an engine."""
 
+import json
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -60,3 +62,42 @@ def test_decision_log_writes_json_lines_and_closes(tmp_path):
   nowhere = decisions.DecisionLog(None)
   nowhere.write({"step": 1})
   assert nowhere.closed and decisions.read(str(tmp_path / "none")) == []
+
+
+class FakeStore:
+  """The key-value client of a 2-process job, with process 1's records already posted."""
+
+  def __init__(self):
+    self.kv = {}
+
+  def key_value_set(self, key, value):
+    self.kv[key] = value
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    del timeout_ms
+    if key.endswith("/1"):       # the other process: its device 1 took 3 s, its step 0.7 s
+      return json.dumps([0.7, [[1, 3.0]]])
+    return self.kv[key]
+
+  def key_value_delete(self, key):
+    del self.kv[key]
+
+
+def test_key_value_gather_shares_every_process_record_and_cleans_up(monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  gather = sampling.KeyValueGather()
+  gather.client = store = FakeStore()
+  times, most = gather({0: 1.5}, 0.4)
+  assert times == {0: 1.5, 1: 3.0} and most == 0.7
+  assert json.loads(store.kv[f"{gather.prefix}0/0"]) == [0.4, [[0, 1.5]]]
+  for _ in range(4):
+    gather({0: 1.0}, 0.1)
+  # Only this process's last `_KEEP` records stay in the store.
+  assert sorted(store.kv) == [f"{gather.prefix}{i}/0" for i in (3, 4)]
+  # One process (or too many for the store): the all-gather of `speed.gather_times`.
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  assert sampling.KeyValueGather().client is None
+  assert sampling.KeyValueGather()({0: 2.0}, 0.3) == ({0: 2.0}, 0.3)
+  monkeypatch.setattr(jax, "process_count", lambda: sampling.KV_MAX_PROCESSES + 1)
+  assert sampling.KeyValueGather().client is None
