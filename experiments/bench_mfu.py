@@ -1,0 +1,104 @@
+r"""Model-FLOPs utilization of a training step on one device, at every compiled bucket width.
+
+  python experiments/bench_mfu.py --model=bench --out_dir=results/bench_mfu       # any backend
+  JAX_PLATFORMS=cuda python experiments/bench_mfu.py --model=gpt_tiny             # on a GPU
+
+The engine's training step (forward, backward, AdamW) of a GPT on a single device (tensor = 1)
+that computes w of its units in every block, at each bucket width w, in two programs: the
+single-width step (compiled for w alone) and the branched step (a `lax.switch` over every width,
+what an uneven split runs). Reports seconds per step, the model FLOPs of the units computed
+(`benchmarks.mfu.step_flops`), the achieved TFLOP/s and the MFU against the device's peak
+(`--peak_tflops`, or the table in benchmarks/mfu.py for known GPUs). Models: `bench`, the
+straggler benchmark's (d_model 256, d_ff 1024, 2 layers, batch 16 x 64 tokens), and `gpt_tiny`,
+configs/gpt_tiny.py's default GPU size (d_model 512, d_ff 2048, 6 layers, batch 64 x 256).
+Writes --out_dir/bench_mfu.{json,md}.
+"""
+
+import os
+import sys
+
+from absl import app, flags
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import mfu  # noqa: E402
+from benchmarks import report  # noqa: E402
+from semijax.core import mesh as mesh_lib  # noqa: E402
+from semijax.runtime import cli  # noqa: E402
+from semijax.train import config as config_lib  # noqa: E402
+from semijax.train import data as data_lib  # noqa: E402
+from semijax.train import loop as train  # noqa: E402
+
+_OUT = flags.DEFINE_string("out_dir", "results/bench_mfu", "Where to write the results.")
+_MODEL = flags.DEFINE_enum("model", "bench", ["bench", "gpt_tiny", "tiny"],
+                           "bench: the straggler benchmark's model; gpt_tiny: the GPU default; "
+                           "tiny: a few-second smoke test.")
+_WIDTHS = flags.DEFINE_integer("num_widths", 6, "Compiled bucket widths per kind.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per program (median reported).")
+_PEAK = flags.DEFINE_float("peak_tflops", 0.0, "The device's peak TFLOP/s (0: look it up).")
+
+
+def model_config(name: str, num_widths: int):
+  """The config of model `name` on one device."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  arg = "tensor=1" if name == "gpt_tiny" else "cpu,tensor=1"
+  c = config_lib.load(os.path.join(root, "configs", "gpt_tiny.py") + ":" + arg)
+  if name == "bench":
+    c.model.d_model, c.model.d_ff, c.model.num_layers, c.batch_size = 256, 1024, 2, 16
+  elif name == "tiny":
+    c.model.d_model, c.model.d_ff, c.model.num_layers, c.batch_size = 64, 128, 1, 4
+    c.model.num_heads, c.model.seq_len = 4, 16
+  c.layout.num_widths = num_widths
+  return c
+
+
+def main(argv):
+  del argv
+  run = config_lib.validate(model_config(_MODEL.value, _WIDTHS.value), jax.device_count(),
+                            jax.process_count())
+  if run.mesh.tensor != 1 or run.mesh.data != 1:
+    raise app.UsageError("bench_mfu runs on one device")
+  engine = train.build_engine(run)
+  dataset = data_lib.build(run.data, *mesh_lib.batch_feed(engine.mesh))
+  batch = engine.shard_batch(dataset.train_batch(0))
+  layout = run.layout
+  state = engine.init(run.seed, layout)
+  device = jax.devices()[0]
+  peak = mfu.peak_tflops(device.device_kind, _PEAK.value)
+  tokens = run.batch_size * run.model.seq_len
+  vocab = run.model.kwargs["vocab_size"]
+  rows, results = [], []
+  for i, w_mlp in enumerate(layout.mlp.widths):
+    w_heads = layout.heads.widths[min(i, len(layout.heads.widths) - 1)]
+    at = layout.replace(mlp=layout.mlp.with_active([w_mlp]),
+                        heads=layout.heads.with_active([w_heads]))
+    flops = mfu.step_flops(run.model, {"mlp": w_mlp, "heads": w_heads}, tokens, vocab)
+    r = {"mlp_width": w_mlp, "heads_width": w_heads, "model_flops": flops}
+    for kind, plan in (("single", engine.plan(at, widths={"mlp": (w_mlp,), "heads": (w_heads,)})),
+                       ("branched", engine.plan(at))):
+      seconds, state = mfu.median_step_s(engine.train_step, state, batch, plan, _STEPS.value)
+      r[kind] = {"step_s": seconds, "tflops": flops / seconds / 1e12,
+                 "mfu": None if peak is None else flops / seconds / (peak * 1e12)}
+    r["branched_over_single"] = r["branched"]["step_s"] / r["single"]["step_s"]
+    results.append(r)
+    fmt = lambda v: "–" if v is None else f"{v:.1%}"
+    rows.append([f"{w_mlp}/{layout.mlp.capacity}", f"{w_heads}/{layout.heads.capacity}",
+                 1e3 * r["single"]["step_s"], r["single"]["tflops"], fmt(r["single"]["mfu"]),
+                 1e3 * r["branched"]["step_s"], fmt(r["branched"]["mfu"]),
+                 r["branched_over_single"]])
+  table = report.markdown_table(
+      ["mlp width", "heads width", "single ms", "single TFLOP/s", "single MFU", "branched ms",
+       "branched MFU", "branched / single"], rows)
+  payload = {"model": _MODEL.value, "spec": run.model.to_dict(), "batch_size": run.batch_size,
+             "backend": jax.default_backend(), "device": device.device_kind,
+             "jax": jax.__version__, "peak_tflops": peak,
+             "matmul_precision": str(jax.config.jax_default_matmul_precision),
+             "widths": results}
+  paths = report.write(_OUT.value, "bench_mfu", payload, table)
+  print(f"{device.device_kind} ({jax.default_backend()}), peak {peak} TFLOP/s\n{table}")
+  print(f"wrote {paths['json']} and {paths['md']}")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.parse_flags)
