@@ -8,9 +8,10 @@ With --results (a `bench_straggler.py --quick --mode=all` output directory) and 
 `bench_migrate.py` results.json), it first copies what the fit needs into small JSON files in
 --measurements (straggler_real.json, straggler_emulated.json, migrate.json). Then it fits the
 profiles `cpu_2proc` and `cpu_8fake` (`semijax.sim.calibrate`), adds the nominal accelerator
-profile (`semijax.sim.profiles`), replays every measured run with the fitted constants, and
-writes --measurements/sim_constants.json (the profiles, the fitted contention speed and every
-replay's errors) and --measurements/calibration.md (the error tables).
+profile (`semijax.sim.profiles`), replays every measured run with the fitted constants, with
+its own recorded decisions (scripted: the costs) and with the library's current decision code
+(decided), and writes --measurements/sim_constants.json (the profiles, the fitted contention
+speed and every replay's errors) and --measurements/calibration.md (the error tables).
 """
 
 import json
@@ -63,14 +64,20 @@ def main(argv):
   report, md = {}, ["# Calibration: replays of the measured runs with the fitted constants", ""]
   for name, hw in fitted.items():
     kind = "real" if name == calibrate.REAL else "emulated"
-    rows = calibrate.check(measurements[kind], hw, **_replay_args(params[name]))
-    report[name] = {"params": params[name], "worst": calibrate.worst(rows), "rows": rows,
-                    "measurements": FILES[kind]}
-    md.append(calibrate.markdown(rows, f"{name} ({FILES[kind]})"))
-    worst = calibrate.worst(rows)
-    md.append(f"Largest errors: step time {worst['step_error']:.1%}, ratio to even "
-              f"{worst['vs_even_error']:.1%}, ratio to the oracle {worst['vs_oracle_error']:.1%}."
-              + "\n")
+    report[name] = {"params": params[name], "measurements": FILES[kind]}
+    for how, scripted in (("scripted", True), ("decided", False)):
+      rows = calibrate.check(measurements[kind], hw, scripted=scripted,
+                             **_replay_args(params[name]))
+      worst = calibrate.worst(rows)
+      report[name][how] = {"worst": worst, "rows": rows}
+      md.append(calibrate.markdown(rows, f"{name} ({FILES[kind]}), {how}: " + (
+          "the runs' own decisions" if scripted else "the current decision code decides")))
+      noisy = (f" (runs left out as noisier than that: {', '.join(worst['noisy'])}: their steps "
+               "before any change differ from the same steps of the scenario's even run by more "
+               "than 10%)") if worst["noisy"] else ""
+      md.append(f"Largest errors: step time {worst['step_error']:.1%}, ratio to even "
+                f"{worst['vs_even_error']:.1%}, ratio to the oracle "
+                f"{worst['vs_oracle_error']:.1%}{noisy}.\n")
   gpu = profiles.gpu_h100(fitted[calibrate.REAL].sample_noise)
   constants = hardware.Constants({**fitted, gpu.name: gpu},
                                  {"profiles": report, "fit_seconds": time.perf_counter() - t0})

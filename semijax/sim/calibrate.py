@@ -24,9 +24,18 @@ Profiles fitted here (`hardware.Hardware`):
              costs from bench_migrate (fixed + state bytes at memory bandwidth + the
              all_to_all's bytes).
 
-`check` replays every measured run with the fitted constants and reports, per run, the
-predicted and measured mean step time, tokens/s, and ratios to `even` and to the oracle
-(`static`) of the same scenario.
+Two replays of every measured run (`replay`):
+
+  scripted   the run's own decisions (its decision log's setups, at their steps) instead of
+             deciding: everything else as in a simulated run. What it checks is the costs (the
+             step model, migrations, samples): the fit uses it.
+  decided    the library's current decision code decides, as in every simulated run. It checks
+             the decisions too, as long as the decision code is the one that made the
+             measurements: after a change to the controller, its errors show what the new
+             controller would have done differently (and the measurements should be renewed).
+
+`check` reports, per run, the predicted and measured mean step time, tokens/s, and ratios to
+`even` and to the oracle (`static`) of the same scenario.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import numpy as np
 
 from semijax.balance import resize as resize_spec_lib
 from semijax.balance import settings as settings_lib
+from semijax.balance.cost import Setup
 from semijax.core import emulation
 from semijax.sim import cluster as cluster_lib
 from semijax.sim import hardware as hardware_lib
@@ -75,7 +85,7 @@ def _setting(config: dict) -> dict:
   return {k: config[k] for k in keep if k in config}
 
 
-def _record(scenario: str, policy: str, run: dict, config: dict) -> dict:
+def _record(scenario: str, policy: str, run: dict, config: dict, decisions: list) -> dict:
   layout = config.get("layout", {})
   counts = {k: list(layout[k]) for k in ("mlp", "heads") if isinstance(layout.get(k), list)}
   c = run.get("contention") or {}
@@ -83,7 +93,9 @@ def _record(scenario: str, policy: str, run: dict, config: dict) -> dict:
           "step_times_s": run["step_times_s"], "tokens_per_s": run["tokens_per_s"],
           "migrations": run["migrations"], "final_counts": run["final_counts"],
           "layout": counts or None, "contention": c.get("intervals"),
-          "hetero": config.get("hetero")}
+          "hetero": config.get("hetero"),
+          "decisions": [{k: d[k] for k in ("step", "owned", "computed", "keep")}
+                        for d in decisions if d["changed"]]}
 
 
 def extract_real(results_dir: str) -> dict:
@@ -95,8 +107,8 @@ def extract_real(results_dir: str) -> dict:
   for scenario, runs in raw["runs"].items():
     for policy, run in runs.items():
       config = _config(runs_dir, scenario, policy)
-      records.append(_record(scenario, policy, run, config))
       ds = _decisions(runs_dir, scenario, policy)
+      records.append(_record(scenario, policy, run, config, ds))
       samples += [d["sample_s"] for d in ds]
       if ds and ds[0]["cost"]["move_s"] > 0:
         moves.append(ds[0]["cost"]["move_s"])            # the warm-up's timed migration
@@ -122,8 +134,9 @@ def extract_emulated(results_dir: str) -> dict:
     for policy, run in runs.items():
       config = _config(runs_dir, scenario, policy)
       setting = setting or _setting(config)
-      records.append(_record(scenario, policy, run, config))
-      samples += [d["sample_s"] for d in _decisions(runs_dir, scenario, policy)]
+      ds = _decisions(runs_dir, scenario, policy)
+      records.append(_record(scenario, policy, run, config, ds))
+      samples += [d["sample_s"] for d in ds]
   return {"kind": "emulated", "source": os.path.relpath(results_dir), "setting": setting,
           "sample_s": samples, "records": records}
 
@@ -171,9 +184,18 @@ def _resize_spec(d: dict) -> resize_spec_lib.ResizeSpec:
   return resize_spec_lib.ResizeSpec(**d)
 
 
-def run_of(measured: dict, record: dict, hw: hardware_lib.Hardware,
-           seed: int = 0) -> simulator.Run:
-  """The simulated run that replays `record` (one measured run) on hardware `hw`."""
+def script_of(record: dict) -> dict:
+  """{0-based step: `cost.Setup`}: the setups `record`'s decision log changed to."""
+  tup = lambda d: {k: tuple(int(x) for x in v) for k, v in d.items()}
+  return {d["step"]: Setup(tup(d["owned"]), tup(d["computed"]),
+                           None if d["keep"] is None else tuple(float(k) for k in d["keep"]))
+          for d in record.get("decisions", ())}
+
+
+def run_of(measured: dict, record: dict, hw: hardware_lib.Hardware, seed: int = 0,
+           scripted: bool = False) -> simulator.Run:
+  """The simulated run that replays `record` (one measured run) on hardware `hw`, with its own
+  decisions (`scripted`) or the library's."""
   s = measured["setting"]
   balance = dict(s["balance"], policy=record["policy"])
   hetero = None
@@ -184,7 +206,8 @@ def run_of(measured: dict, record: dict, hw: hardware_lib.Hardware,
   return simulator.Run(
       workload_of(s), cluster_lib.Cluster(s["mesh"]["data"], 1, s["mesh"]["tensor"]), hw,
       settings_lib.BalanceSettings(**balance), record["steps"], resize=_resize_spec(s["resize"]),
-      static_counts=counts, hetero=hetero, seed=seed)
+      static_counts=counts, hetero=hetero, seed=seed,
+      script=(script_of(record),) if scripted else None)
 
 
 def trace_of(measured: dict, record: dict, contention_speed: float | None = None
@@ -201,8 +224,9 @@ def trace_of(measured: dict, record: dict, contention_speed: float | None = None
 
 
 def replay(measured: dict, record: dict, hw: hardware_lib.Hardware, seed: int = 0,
-           contention_speed: float | None = None) -> simulator.Result:
-  return simulator.simulate(run_of(measured, record, hw, seed),
+           contention_speed: float | None = None, scripted: bool = False) -> simulator.Result:
+  """`record` simulated with its own decisions (`scripted`) or the library's (module doc)."""
+  return simulator.simulate(run_of(measured, record, hw, seed, scripted),
                             trace_of(measured, record, contention_speed))
 
 
@@ -231,24 +255,60 @@ def _with_coefficients(hw: hardware_lib.Hardware, x: np.ndarray) -> hardware_lib
                              **overheads)
 
 
-def fit_steps(measured: dict, hw: hardware_lib.Hardware, iterations: int = 6, seed: int = 0,
+# A measured run whose steps before its first change (the even split's program, exactly what the
+# scenario's `even` run runs) differ from `even`'s same steps by more than this is noisier than
+# the tolerance of a replay; the fit leaves it out and the check reports it (`consistency`).
+CONSISTENCY = 0.10
+# ... judged on at least this many steps before the first change.
+MIN_IDENTICAL_STEPS = 5
+
+
+def consistency(measured: dict) -> dict:
+  """{(scenario, policy): mean of the run's steps before its first change / mean of the same
+  steps of the scenario's `even` run - 1}, for runs of the controlled policies with at least
+  `MIN_IDENTICAL_STEPS` such steps (they run the even split's single-width step, as `even`
+  does; `offload` runs its own step and is left out)."""
+  even = {r["scenario"]: np.asarray(r["step_times_s"]) for r in measured["records"]
+          if r["policy"] == "even"}
+  out = {}
+  for r in measured["records"]:
+    if r["policy"] in ("even", "static", "offload") or r["scenario"] not in even:
+      continue
+    first = min([d["step"] for d in r.get("decisions", ())] + [len(r["step_times_s"])])
+    ref = even[r["scenario"]]
+    n = min(first, len(ref))
+    if n >= MIN_IDENTICAL_STEPS:
+      out[(r["scenario"], r["policy"])] = float(np.mean(r["step_times_s"][:n]) / ref[:n].mean() - 1)
+  return out
+
+
+def consistent(measured: dict) -> dict:
+  """`measured` without the runs `consistency` finds off their identical twin by more than
+  `CONSISTENCY`."""
+  off = {k for k, v in consistency(measured).items() if abs(v) > CONSISTENCY}
+  return dict(measured, records=[r for r in measured["records"]
+                                 if (r["scenario"], r["policy"]) not in off])
+
+
+def fit_steps(measured: dict, hw: hardware_lib.Hardware, iterations: int = 8, seed: int = 0,
               contention_speed: float | None = None) -> hardware_lib.Hardware:
   """`hw` with its step constants fitted to the measured runs' mean step times.
 
-  Each replayed step is `features @ simulator.coefficients(hw)` (overhead, 1 / flops and each
+  The replays are scripted (each run's own decisions, module doc); pass `consistent(measured)`
+  to leave out runs noisier than a replay's tolerance. Each replayed step is
+  `features @ simulator.coefficients(hw)` (overhead, 1 / flops and each
   step variant's overhead / flops) plus parts that do not depend on them (migrations, samples,
   collectives, the optimizer, an emulated sleep). A non-negative least-squares fit of the runs'
   means (relative errors: every run weighs the same) gives new constants; the runs are replayed
   with them (the decisions, and a contention interval's steps, depend on the times) and fitted
-  again, `iterations` times; the constants whose replays matched best are returned. The
-  decisions make the fixed point depend on where it starts: the fit finds constants that explain
-  the measurements, not necessarily the only ones.
+  again, `iterations` times (a contention interval's steps depend on the times); the constants
+  whose replays matched best are returned.
   """
   best = None
   for _ in range(iterations):
     rows, targets = [], []
     for rec in measured["records"]:
-      r = replay(measured, rec, hw, seed, contention_speed)
+      r = replay(measured, rec, hw, seed, contention_speed, scripted=True)
       mean_s = np.mean(rec["step_times_s"])        # relative errors: divide by the measured mean
       rows.append(r.features.mean(axis=0) / mean_s)
       targets.append((mean_s - r.fixed_s.mean()) / mean_s)
@@ -262,7 +322,7 @@ def fit_steps(measured: dict, hw: hardware_lib.Hardware, iterations: int = 6, se
 
 def _replay_error(measured: dict, hw: hardware_lib.Hardware, seed: int, contention_speed) -> float:
   """Mean squared relative error of the replays' mean step times."""
-  err = [np.mean(replay(measured, rec, hw, seed, contention_speed).step_s)
+  err = [np.mean(replay(measured, rec, hw, seed, contention_speed, scripted=True).step_s)
          / np.mean(rec["step_times_s"]) - 1 for rec in measured["records"]]
   return float(np.mean(np.square(err)))
 
@@ -328,7 +388,7 @@ def _loss(rows: list[dict]) -> float:
   return float(np.mean(np.square(err)))
 
 
-def fit(measurements: dict, iterations: int = 6, grid_step: float = 0.005,
+def fit(measurements: dict, iterations: int = 8, grid_step: float = 0.005,
         seeds=(0, 1, 2), contention_speeds=None) -> tuple[dict, dict]:
   """({profile name: Hardware}, {profile name: replay parameters}) fitted to `measurements`.
 
@@ -344,7 +404,7 @@ def fit(measurements: dict, iterations: int = 6, grid_step: float = 0.005,
       EMULATED, device_flops=1e10, cores=2, emulated=True, step_noise=step_noise(emu["records"]),
       sample_s=float(np.mean(emu["sample_s"])),
       source="fitted by semijax.sim.calibrate to straggler_emulated and migrate", **moves)
-  emulated = fit_steps(emu, emulated, iterations)
+  emulated = fit_steps(consistent(emu), emulated, iterations)
   real = measurements["real"]
   cpu = hardware_lib.Hardware(
       REAL, device_flops=1e10, move_fixed_s=float(np.median(real["warmup_move_s"])),
@@ -355,8 +415,9 @@ def fit(measurements: dict, iterations: int = 6, grid_step: float = 0.005,
   best = None
   grid = np.arange(lo, hi + 1e-9, grid_step) if contention_speeds is None else contention_speeds
   for speed in grid:
-    hw = fit_steps(real, cpu, iterations, contention_speed=float(speed))
-    loss = _loss(check(real, hw, seeds=seeds, contention_speed=float(speed)))
+    hw = fit_steps(consistent(real), cpu, iterations, contention_speed=float(speed))
+    loss = _loss([x for x in check(real, hw, seeds=seeds, contention_speed=float(speed),
+                                   scripted=True) if not x["noisy"]])
     if best is None or loss < best[0]:
       best = (loss, float(speed), hw)
   _, speed, cpu = best
@@ -369,14 +430,14 @@ def fit(measurements: dict, iterations: int = 6, grid_step: float = 0.005,
 
 
 def check(measured: dict, hw: hardware_lib.Hardware, *, seeds=(0, 1, 2),
-          contention_speed: float | None = None) -> list[dict]:
+          contention_speed: float | None = None, scripted: bool = False) -> list[dict]:
   """One row per measured run: predicted (the mean over `seeds` of the simulated noise) vs
   measured mean step time, tokens/s and ratios to `even` and to the oracle (`static`) of its
   scenario (repeats of one measurement by their median, `REPEATS`); `*_error` = predicted /
-  measured - 1."""
+  measured - 1; `twin_error` and `noisy`: `consistency`."""
   rows = []
   for rec in measured["records"]:
-    runs = [replay(measured, rec, hw, seed, contention_speed) for seed in seeds]
+    runs = [replay(measured, rec, hw, seed, contention_speed, scripted) for seed in seeds]
     rows.append({"scenario": rec["scenario"], "policy": rec["policy"],
                  "measured_s": float(np.mean(rec["step_times_s"])),
                  "predicted_s": float(np.mean([r.step_s.mean() for r in runs])),
@@ -385,6 +446,10 @@ def check(measured: dict, hw: hardware_lib.Hardware, *, seeds=(0, 1, 2),
                  "measured_migrations": rec["migrations"],
                  "predicted_migrations": float(np.mean([r.stat("migrations") for r in runs]))})
   _pool_repeats(rows)
+  twins = consistency(measured)
+  for x in rows:
+    x["twin_error"] = twins.get((x["scenario"], x["policy"]))
+    x["noisy"] = x["twin_error"] is not None and abs(x["twin_error"]) > CONSISTENCY
   by = {(x["scenario"], x["policy"]): x for x in rows}
   for x in rows:
     x["step_error"] = x["predicted_s"] / x["measured_s"] - 1
@@ -421,10 +486,11 @@ def _pool_repeats(rows: list[dict]) -> None:
 
 
 def worst(rows: list[dict]) -> dict:
-  """The largest absolute errors of `check` rows: step time, ratio to even, ratio to oracle."""
-  out = {}
+  """The largest absolute errors of the `check` rows that are not `noisy`: step time, ratio to
+  even, ratio to the oracle; and the noisy runs."""
+  out = {"noisy": [f"{x['scenario']}/{x['policy']}" for x in rows if x.get("noisy")]}
   for key in ("step_error", "vs_even_error", "vs_oracle_error"):
-    vals = [abs(x[key]) for x in rows if key in x]
+    vals = [abs(x[key]) for x in rows if key in x and not x.get("noisy")]
     out[key] = max(vals) if vals else 0.0
   return out
 
@@ -435,7 +501,7 @@ def markdown(rows: list[dict], title: str) -> str:
   num = lambda v: "–" if v is None else f"{v:.2f}"
   lines = [f"#### {title}", "", "| scenario | policy | measured s/step | predicted | error "
            "| vs even: measured | predicted | error | vs oracle: measured | predicted | error "
-           "| migrations: measured | predicted |", "|---" * 13 + "|"]
+           "| migrations: measured | predicted | identical steps vs even's |", "|---" * 14 + "|"]
   for x in rows:
     lines.append(
         f"| {x['scenario']} | {x['policy']} | {x['measured_s']:.4f} | {x['predicted_s']:.4f} "
@@ -443,5 +509,6 @@ def markdown(rows: list[dict], title: str) -> str:
         f"| {num(x.get('predicted_vs_even'))} | {pct(x.get('vs_even_error'))} "
         f"| {num(x.get('measured_vs_oracle'))} | {num(x.get('predicted_vs_oracle'))} "
         f"| {pct(x.get('vs_oracle_error'))} | {x['measured_migrations']} "
-        f"| {x['predicted_migrations']:.1f} |")
+        f"| {x['predicted_migrations']:.1f} "
+        f"| {pct(x.get('twin_error'))}{' (noisy)' if x.get('noisy') else ''} |")
   return "\n".join(lines) + "\n"

@@ -60,6 +60,8 @@ class Run:
     layers: layers per pipeline stage (default as even as possible).
     seed: sample noise and priorities.
     epoch_steps: steps per epoch (a static resize schedule's period).
+    script: per stage, {0-based step: `cost.Setup`} recorded decisions to replay instead of
+      deciding (`stage.StageBalancer`), or None.
   """
 
   workload: workload_lib.Workload
@@ -75,6 +77,7 @@ class Run:
   layers: tuple | None = None
   seed: int = 0
   epoch_steps: int = 1
+  script: tuple | None = None
 
   @property
   def policy(self) -> str:
@@ -116,6 +119,7 @@ class Result:
 
   def to_json(self, steps: bool = False) -> dict:
     out = {"policy": self.policy, "tokens_per_s": self.tokens_per_s,
+           "mean_staleness": self.staleness,
            "mean_step_s": float(self.step_s.mean()), "steps": len(self.step_s),
            "ideal_tokens_per_s": self.ideal_tokens_per_s,
            "migrations": int(self.stat("migrations")), "decisions": int(self.stat("decisions")),
@@ -163,7 +167,8 @@ def stages_of(run: Run, model: stepcost.StepModel) -> list[stage_lib.StageBalanc
     out.append(stage_lib.StageBalancer(
         run.settings, run.resize, spec, layout, unit_bytes,
         _move_seconds(run.hardware, w, layers, run.cluster.tensor), epoch_steps=run.epoch_steps,
-        hetero=run.hetero if run.hardware.emulated else None, seed=run.seed + s))
+        hetero=run.hetero if run.hardware.emulated else None, seed=run.seed + s,
+        script=None if run.script is None else run.script[s]))
   return out
 
 

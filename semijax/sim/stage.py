@@ -17,7 +17,9 @@ tracker turns samples into regimes. Per step:
                 (`CostModel.observe(setup, sample speeds, mean step seconds)`).
 
 Nothing of the decision logic is copied: a change to the controller, the cost model, the
-policies or the tracker changes the simulation.
+policies or the tracker changes the simulation. A *scripted* stage (`script`: the setups a
+measured run's decision log recorded, by step) takes those setups instead of deciding, and runs
+everything else the same way: a replay of what a run did, to check the costs alone.
 
 The stage's tensor positions see the speeds of the slowest replica at each position, as
 `balance.speed.tensor_times` gives a real run: one layout serves every data-parallel replica of
@@ -94,12 +96,13 @@ class StageBalancer:
     hetero: the emulated slowdown (`core.emulation.Hetero`) the sampler reads in an emulated
       replay, else None (the simulator sets the sampled times).
     seed: for the random priority.
+    script: {0-based step: `cost.Setup`} to take at those steps instead of deciding, or None.
   """
 
   def __init__(self, settings: settings_lib.BalanceSettings, resize_spec, spec: spec_lib.ModelSpec,
                layout: layout_lib.Layout, unit_bytes: dict,
                move_s: Callable[[migrate_lib.Moves], float], *, epoch_steps: int = 1,
-               hetero=None, seed: int = 0):
+               hetero=None, seed: int = 0, script: dict | None = None):
     self.spec, self.unit_bytes, self.move_s = spec, dict(unit_bytes), move_s
     self.policy = policies_lib.make(settings, resize_spec, epoch_steps)
     self.buckets = self.policy.buckets(layout)
@@ -130,6 +133,7 @@ class StageBalancer:
     self.stats = {"migrations": 0, "move_s": 0.0, "decisions": 0, "changes": 0,
                   "decide_s": 0.0, "resized_steps": 0, "steps": 0}
     self.changes: list[dict] = []
+    self.script = script
     self._sample = None
     self._new_regime = False
     self._executed: dict = {}
@@ -154,7 +158,10 @@ class StageBalancer:
   def before_step(self, step: int) -> StepPlan:
     """Decides (after a new sample), migrates if the decision says so; the step's plan."""
     move_s = 0.0
-    if self._sample is not None and self.controller.cost.calibrated:
+    if self.script is not None:
+      if self.controller is not None and step in self.script:
+        move_s = self._take_scripted(step, self.script[step])
+    elif self._sample is not None and self.controller.cost.calibrated:
       self._sample = None
       t0 = time.perf_counter()
       d = self.controller.decide(step, self.sampler.tracker.speeds,
@@ -196,6 +203,17 @@ class StageBalancer:
           layout, kind, setup, resize)
       self._executed[key] = plan_lib.executed_widths(layout, self.spec.num_layers, **args)
     return self._executed[key]
+
+  def _take_scripted(self, step: int, setup: Setup) -> float:
+    """A recorded decision's setup, migrating when its ownership differs (what `decide` would
+    have returned)."""
+    move_s = self._migrate(setup.owned) if setup.owned != self.controller.setup.owned else 0.0
+    if setup != self.controller.setup:
+      self.stats["changes"] += 1
+      self.changes.append({"step": step, "choice": "scripted", **setup.describe()})
+    self.controller.setup = setup
+    self.stats["decisions"] += 1
+    return move_s
 
   def _migrate(self, counts: dict) -> float:
     new = self.buckets.target(self.layout, counts)
