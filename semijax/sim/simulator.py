@@ -101,6 +101,7 @@ class Result:
   features: np.ndarray             # float [steps, 5]: `StepTime.features`
   fixed_s: np.ndarray              # float [steps]: the part of each step outside the fit
   wall_s: float = 0.0              # host seconds the simulation took
+  staleness: float = 0.0           # mean predicted staleness (`semijax.sync` strategies)
 
   @property
   def seconds(self) -> float:
@@ -178,7 +179,8 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
   c, hw, w = run.cluster, run.hardware, run.workload
   if trace.num_devices != c.devices:
     raise ValueError(f"sim.trace: {trace.num_devices} devices for a cluster of {c.devices}")
-  model = stepcost.StepModel(w, c, hw, strategies.make(run.strategy), run.layers)
+  strategy = strategies.make(run.strategy)
+  model = stepcost.StepModel(w, c, hw, strategy, run.layers)
   stages = stages_of(run, model)
   for st in stages:
     st.warm_up()
@@ -234,7 +236,8 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
   return Result(run.policy, step_s, float(w.tokens_per_replica * c.data), ideal,
                 speed_sum / steps,
                 [{"stats": dict(st.stats), "counts": st.counts(), "changes": st.changes[:50]}
-                 for st in stages], features, fixed, time.perf_counter() - t_start)
+                 for st in stages], features, fixed, time.perf_counter() - t_start,
+                float(np.mean(getattr(strategy, "staleness", None) or [0.0])))
 
 
 def coefficients(hw: hardware_lib.Hardware) -> np.ndarray:
