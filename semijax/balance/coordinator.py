@@ -20,7 +20,6 @@ training steps after warm-up (`core.compiles`).
 
 from __future__ import annotations
 
-import copy
 import time
 
 import jax
@@ -171,12 +170,12 @@ class Balancer:
       self.emulator.sleep(self.delay_s)
 
   def _refresh(self, step: int, state) -> None:
-    params = jax.device_get(self.engine.to_logical(state, self.layout).params)
-    self.resizer.refresh(step, params, self.engine.axes, self.layout)
+    self.resizer.refresh(step, state.params, self.engine.axes, self.layout)
 
   def _migrate(self, state, counts: dict):
     new = self.buckets.target(self.layout, counts)
-    state, seconds = self.mover.timed_move(state, self.layout, new)
+    state, seconds = self.mover.timed_move(
+        state, self.layout, new, None if self.resizer is None else self.resizer.priority)
     self.stats["migrations"] += 1
     self.stats["migrate_s"] += seconds
     self.controller.cost.observe_move(seconds)
@@ -224,7 +223,9 @@ class Balancer:
     times a migration, does the priority refresh due at 0-based `step` (the first to run);
     returns the state (unchanged in value, in the starting layout)."""
     self._warm_steps(state, batch, eval_batch, self.layout)
-    self.engine.to_logical(state, self.layout)        # checkpoints and priority refreshes
+    # A checkpoint's round trip through the logical form (and the restore's way back).
+    state = self.engine.to_padded(self.engine.to_logical(state, self.layout, donate=True),
+                                  self.layout, donate=True)
     if self.resizer is not None and self.resizer.due(step):
       self._refresh(step, state)                      # ~0.4 s, before the clock starts
     if self.sampler is not None:
@@ -242,11 +243,14 @@ class Balancer:
     start = self.layout
     there = self.buckets.warm_target(start)
     move = self.mover.move
+    self.mover.compile(state, start, there)           # into the big bucket, every chunk size
     state = move(state, start, there)
     if not self.buckets.is_start(there):
       self._warm_steps(state, batch, eval_batch, there)
     further = buckets_lib.rebalance(there, {k: buckets_lib.shift_one(u.counts, u.capacity)
                                             for k, u in there.kinds().items()})
+    self.mover.compile(state, there, further)         # inside it
+    self.mover.compile(state, there, start)           # and home
     state = move(move(move(state, there, further), further, there), there, start)
     jax.block_until_ready(state)
     self.mover.shared(0.0)      # a barrier: time the move, not a process still compiling
@@ -258,13 +262,15 @@ class Balancer:
 
   def _warm_steps(self, state, batch, eval_batch, layout) -> None:
     """Compiles and exercises the train and eval steps the policy may run in `layout`'s bucket
-    (`policies.Policy.step_kinds`), with `state` in `layout`."""
+    (`policies.Policy.step_kinds`), with `state` in `layout`, and the priority refresh."""
+    if self.resizer is not None:
+      self.resizer.priority.warm_up(state.params, self.engine.axes)
     owned = {k: u.counts for k, u in layout.kinds().items()}
     for kind in self.plans.kinds(layout):
       setup, resize = Setup.of(owned), None
-      if kind == "resized":     # a throwaway copy: selecting marks units as seen
+      if kind == "resized":
         half = tuple(0.5 for _ in range(layout.num_devices))
-        resize = copy.deepcopy(self.resizer.priority).select(layout, half)
+        resize = self.resizer.priority.select(layout, half, mark=False)
       elif kind == "offload":
         setup = Setup(setup.owned, {k: buckets_lib.shift_one(u.counts, u.capacity)
                                     for k, u in layout.kinds().items()})
@@ -279,6 +285,15 @@ class Balancer:
   def load_state_dict(self, state: dict | None) -> None:
     if self.resizer is not None and state is not None:
       self.resizer.priority.load_state_dict(state["priority"])
+
+  @property
+  def snapshot(self):
+    """The priority's device snapshot (padded params in the current layout), or None."""
+    return None if self.resizer is None else self.resizer.priority.snapshot
+
+  @snapshot.setter
+  def snapshot(self, params) -> None:
+    self.resizer.priority.snapshot = params
 
   def summary(self, total_s: float) -> dict:
     """Balance statistics of the run (`total_s`: wall seconds of the training steps).

@@ -1,8 +1,10 @@
 """Moving a padded train state between layouts, and timing what a move costs.
 
-Inside a capacity bucket a move is the migration collective (`core.migrate`): only units that
-change owner travel. Between buckets (the tight bucket of the even split and the big one) the
-state is re-laid out through its logical form (`Engine.relayout`).
+Every move, inside a capacity bucket or between buckets (the tight bucket of the even split and
+the big one), is the migration collective (`Engine.move`, `core.migrate`): only units that change
+owner travel, in chunks of a few precompiled sizes, one (block, kind) group of weights and
+moments at a time, each group's old copy donated: no device ever holds the old and the new
+state at once.
 """
 
 from __future__ import annotations
@@ -11,10 +13,8 @@ import time
 
 import jax
 
-from semijax.balance import buckets as buckets_lib
 from semijax.balance import speed as speed_lib
 from semijax.core import layout as layout_lib
-from semijax.core import migrate as migrate_lib
 
 
 class Mover:
@@ -26,21 +26,27 @@ class Mover:
 
   def __init__(self, engine):
     self.engine = engine
-    self.migrator = engine.migrator()
     self.moves = 0
     self.seconds = 0.0
 
   def move(self, state, old: layout_lib.Layout, new: layout_lib.Layout):
-    """The state moved from layout `old` to `new` (same values, new owners)."""
-    if buckets_lib.capacities(new) != buckets_lib.capacities(old):
-      return self.engine.relayout(state, old, new)
-    return self.migrator.migrate_state(state, migrate_lib.plan(old, new), self.engine.tx,
-                                       self.engine.axes)
+    """The state moved from layout `old` to `new` (same values, new owners; `state` is
+    consumed)."""
+    return self.engine.move(state, old, new, donate=True)
 
-  def timed_move(self, state, old: layout_lib.Layout, new: layout_lib.Layout):
-    """(moved state, seconds of the slowest process): a move of the training loop, counted."""
+  def compile(self, state, old: layout_lib.Layout, new: layout_lib.Layout) -> None:
+    """Compiles every move from `old`'s bucket to `new`'s (`Engine.compile_moves`), of the
+    state and of its parameters alone (a priority snapshot)."""
+    self.engine.compile_moves(state, old, new)
+    self.engine.compile_moves(state.params, old, new)
+
+  def timed_move(self, state, old: layout_lib.Layout, new: layout_lib.Layout, priority=None):
+    """(moved state, seconds of the slowest process): a move of the training loop, counted;
+    the priority snapshot of `priority` (if any) moves with the state."""
     t0 = time.perf_counter()
     state = self.move(state, old, new)
+    if priority is not None:
+      priority.move_snapshot(lambda tree: self.move(tree, old, new))
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
     self.moves += 1

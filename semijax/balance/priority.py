@@ -1,8 +1,11 @@
 """Priority selection for ZERO-resizing: which units (or features) a resized device keeps.
 
-Runs on the host, between steps. Scores are kept per *logical* unit (so they survive any layout
-change, and a migration carries them for free) and, in contraction mode, per device and input
-feature. Policies (`PRIORITIES`):
+Scores are kept on the host per *logical* unit (so they survive any layout change, and a
+migration carries them for free) and, in contraction mode, per device and input feature. A
+refresh reduces the weights on the devices (`slot_l1`: an L1 per padded slot and per device and
+feature) and fetches only those sums; the weights of the last refresh (`snapshot`) stay on the
+devices, padded in the current layout (a migration moves them with the state, `move_snapshot`).
+Policies (`PRIORITIES`):
 
   weight_delta  the authors': the L1 change of each unit's weights since the last refresh; only
                 indices computed in the period get a new score, skipped ones keep their stale
@@ -18,58 +21,57 @@ turns scores and keep ratios into a `resize.Resize`. `state_dict()` goes into ch
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from semijax.core import layout as layout_lib
+from semijax.core import memory
 from semijax.core import resize as resize_lib
+from semijax.core import sharding
 
 PRIORITIES = ("weight_delta", "random", "window", "magnitude")
 ROLES = ("col", "bias", "row")
 
 
-def unit_weights(params, axes, num_layers: int) -> dict:
-  """Weights of the TP units, grouped: {kind: {role: float32 [L, n, ...]}} (host numpy).
+def slot_l1(params, reference, axes, *, num_layers: int, num_devices: int, unit_sizes: dict,
+            unit_roles=ROLES):
+  """Per-slot and per-feature L1 norms of `params - reference`, reduced where the arrays live.
 
   Args:
-    params: logical parameters (unit axes in logical unit order).
-    axes: the `sharding.Axes` tree.
-    num_layers: L.
+    params: padded parameters (global arrays, unit axes split over `tensor`).
+    reference: a tree like `params` (the last snapshot), or None for `params` themselves.
+    axes: the `sharding.Axes` tree; num_layers: L; num_devices: N; unit_sizes: {kind: us}.
+    unit_roles: the roles ("col", "bias", "row": `core.resize.role`) a unit's score sums over.
 
   Returns:
-    role "col": [L, n, D, U*us] column-parallel weights; "bias": [L, n, U*us]; "row":
-    [L, n, U*us, D] (n leaves of that role per layer, e.g. 3 for wq, wk, wv).
+    ({kind: float32 [L, N*C]}: each padded slot's L1 over its entries in `unit_roles` (zero on
+    padding), {kind: float32 [L, N, D]}: per device and input feature, the L1 of its column
+    weights over its slots). Both are small; nothing of the size of the weights leaves the
+    devices.
   """
-  groups: dict = {}
-  flat = jax.tree_util.tree_leaves_with_path(axes)
-  values = jax.tree.leaves(params)
-  for (path, a), x in zip(flat, values):
-    r, layer = resize_lib.role(a), resize_lib.block_index(path)
-    if r is None or layer is None:
+  units, feats = {}, {}
+  refs = jax.tree.leaves(params) if reference is None else jax.tree.leaves(reference)
+  for (path, a), x, r in zip(jax.tree_util.tree_leaves_with_path(axes), jax.tree.leaves(params),
+                             refs):
+    role, layer = resize_lib.role(a), sharding.block_index(path)
+    if role is None or layer is None:
       continue
-    kind = a.unit()[1]
-    groups.setdefault(kind, {}).setdefault(r, [[] for _ in range(num_layers)])[layer].append(
-        np.asarray(x, np.float32))
-  return {k: {r: np.stack([np.stack(per) for per in layers]) for r, layers in g.items()}
-          for k, g in groups.items()}
-
-
-def unit_l1(w: dict, unit_size: int, roles=ROLES) -> np.ndarray:
-  """float [L, U]: the L1 norm of every unit's entries over `roles` of `unit_weights` output."""
-  total = 0.0
-  for r in roles:
-    a = np.abs(w[r])
-    per_entry = {"col": lambda: a.sum(axis=(1, 2)), "bias": lambda: a.sum(axis=1),
-                 "row": lambda: a.sum(axis=(1, 3))}[r]()                   # [L, U*us]
-    total = total + per_entry.reshape(a.shape[0], -1, unit_size).sum(-1)
-  return total
-
-
-def feature_l1(w: dict, unit_size: int, owned) -> np.ndarray:
-  """float [L, N, D]: per device, the L1 of each input feature's column weights over its units."""
-  a = np.abs(w["col"]).sum(axis=1)                                          # [L, D, U*us]
-  per_unit = a.reshape(a.shape[0], a.shape[1], -1, unit_size).sum(-1)       # [L, D, U]
-  return np.stack([per_unit[:, :, list(units)].sum(-1) for units in owned], axis=1)
+    axis, kind = a.unit()
+    d = jnp.abs(x - r) if reference is not None else jnp.abs(x)
+    slots = x.shape[axis] // unit_sizes[kind]
+    units.setdefault(kind, [jnp.zeros(slots, jnp.float32)] * num_layers)
+    if role in unit_roles:
+      per_entry = d.sum(axis=tuple(i for i in range(d.ndim) if i != axis))     # [N*C*us]
+      units[kind][layer] = units[kind][layer] + per_entry.reshape(slots, -1).sum(-1)
+    if role == "col":                                                         # [D, N*C*us]
+      per_device = d.reshape(d.shape[0], num_devices, -1).sum(-1).T           # [N, D]
+      feats.setdefault(kind, [0.0] * num_layers)
+      feats[kind][layer] = feats[kind][layer] + per_device
+  return ({k: jnp.stack(v) for k, v in units.items()},
+          {k: jnp.stack(v) for k, v in feats.items()})
 
 
 def pick(policy: str, scores: np.ndarray, k: int) -> np.ndarray:
@@ -100,7 +102,8 @@ class Priority:
     self.num_units, self.unit_sizes, self.num_devices, self.seed = (
         dict(num_units), dict(unit_sizes), num_devices, seed)
     self.refreshes = 0
-    self.snapshot = None
+    self.snapshot = None       # padded device params of the last refresh (weight_delta, window)
+    self._compiled: dict = {}
     self.scores = {k: self._initial((num_layers, u), 0) for k, u in self.num_units.items()}
     self.feat_scores = {k: self._initial((num_layers, num_devices, d_model), 1)
                         for k in self.num_units}
@@ -118,29 +121,54 @@ class Priority:
   # --- scores -----------------------------------------------------------------------------------
 
   def refresh(self, params, axes, layout: layout_lib.Layout) -> None:
-    """Recomputes scores from logical `params` (see module doc); starts a new period."""
-    w = unit_weights(params, axes, self.num_layers)
+    """Recomputes scores from padded device `params` in `layout` (see module doc); starts a new
+    period and keeps a device copy of `params` as the next period's snapshot."""
     policy, contraction = self.spec.priority, self.spec.mode == "contraction"
-    unit_roles = ("row",) if contraction else ROLES
-    owned = {k: u.owned for k, u in layout.kinds().items()}
-    for kind, us in self.unit_sizes.items():
-      if policy == "random":
+    if policy == "random":
+      for kind in self.unit_sizes:
         rng = np.random.default_rng([self.seed, self.refreshes + 1])
         self.scores[kind] = rng.random(self.scores[kind].shape)
         self.feat_scores[kind] = rng.random(self.feat_scores[kind].shape)
-      elif policy == "magnitude":
-        self.scores[kind] = unit_l1(w[kind], us, unit_roles)
-        self.feat_scores[kind] = feature_l1(w[kind], us, owned[kind])
-      elif self.snapshot is not None:            # weight_delta, window: change since the last one
-        delta = {r: w[kind][r] - self.snapshot[kind][r] for r in w[kind]}
-        self.scores[kind] = np.where(self.seen[kind], unit_l1(delta, us, unit_roles),
-                                     self.scores[kind])
-        self.feat_scores[kind] = np.where(self.feat_seen[kind],
-                                          feature_l1(delta, us, owned[kind]),
-                                          self.feat_scores[kind])
-    self.snapshot = w
+    elif policy == "magnitude" or self.snapshot is not None:
+      reference = None if policy == "magnitude" else self.snapshot
+      fn = self._scores_fn(axes, contraction, params, reference)
+      memory.observe(fn)
+      slots, feats = jax.device_get(fn(params, reference))
+      for kind, u in layout.kinds().items():
+        new = slots[kind][:, u.unit_slots()]                          # [L, U]: slot -> unit
+        if policy == "magnitude":
+          self.scores[kind], self.feat_scores[kind] = new, feats[kind]
+        else:            # weight_delta, window: change since the last refresh, where computed
+          self.scores[kind] = np.where(self.seen[kind], new, self.scores[kind])
+          self.feat_scores[kind] = np.where(self.feat_seen[kind], feats[kind],
+                                            self.feat_scores[kind])
+    if policy in ("weight_delta", "window"):
+      self.snapshot = jax.tree.map(lambda x: x.copy(), params)
     self.refreshes += 1
     self._clear_seen()
+
+  def warm_up(self, params, axes) -> None:
+    """Compiles the refresh's reduction for `params`' shapes (with and without a snapshot)."""
+    contraction = self.spec.mode == "contraction"
+    self._scores_fn(axes, contraction, params, None)
+    self._scores_fn(axes, contraction, params, params)
+
+  def _scores_fn(self, axes, contraction: bool, params, reference):
+    """The compiled `slot_l1` for these shapes (one per bucket, with and without a snapshot)."""
+    key = (id(axes), contraction, reference is None,
+           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(params)))
+    if key not in self._compiled:
+      roles = ("row",) if contraction else ROLES
+      fn = jax.jit(functools.partial(
+          slot_l1, axes=axes, num_layers=self.num_layers, num_devices=self.num_devices,
+          unit_sizes=self.unit_sizes, unit_roles=roles))
+      self._compiled[key] = fn.lower(params, reference).compile()
+    return self._compiled[key]
+
+  def move_snapshot(self, move) -> None:
+    """Applies `move` (padded params -> padded params in another layout) to the snapshot."""
+    if self.snapshot is not None:
+      self.snapshot = move(self.snapshot)
 
   def mark_computed(self, layout: layout_lib.Layout) -> None:
     """Marks every unit (and, in contraction mode, every input feature) that an exact step of
@@ -154,8 +182,9 @@ class Priority:
 
   # --- selection --------------------------------------------------------------------------------
 
-  def select(self, layout: layout_lib.Layout, keep) -> resize_lib.Resize:
-    """The `Resize` (host numpy) for per-device keep ratios `keep` [N]; marks the kept as seen."""
+  def select(self, layout: layout_lib.Layout, keep, *, mark: bool = True) -> resize_lib.Resize:
+    """The `Resize` (host numpy) for per-device keep ratios `keep` [N]; marks the kept as seen
+    (unless `mark` is False: a preview, e.g. to compile the resized step)."""
     spec, L, D = self.spec, self.num_layers, self.d_model
     contraction = spec.mode == "contraction"
     out = {f: {} for f in ("order", "kept", "skip", "feats", "feats_kept", "feat_skip", "frac")}
@@ -179,14 +208,16 @@ class Priority:
           order[d, l, :active] = np.concatenate([chosen, rest])
           kept[d, l] = k
           skip[d, l, rest] = True
-          self.seen[kind][l, units[chosen]] = True
+          if mark:
+            self.seen[kind][l, units[chosen]] = True
           if contraction:
             fc = pick(spec.priority, self.feat_scores[kind][l, d], kf)
             feats[d, l] = np.concatenate([fc, np.setdiff1d(np.arange(D), fc)])
             feats_kept[d, l] = kf
             feat_skip[d, l] = True
             feat_skip[d, l, fc] = False
-            self.feat_seen[kind][l, d, fc] = True
+            if mark:
+              self.feat_seen[kind][l, d, fc] = True
             frac[d, l] = resize_lib.fraction_index(keep[d], spec.fractions)
       out["order"][kind], out["kept"][kind], out["skip"][kind] = order, kept, skip
       if contraction:
@@ -199,12 +230,10 @@ class Priority:
   # --- checkpoints ------------------------------------------------------------------------------
 
   def state_dict(self) -> dict:
-    """Layout-independent state for checkpoints (numpy arrays)."""
-    out = {"refreshes": np.asarray(self.refreshes), "scores": self.scores,
-           "feat_scores": self.feat_scores, "seen": self.seen, "feat_seen": self.feat_seen}
-    if self.snapshot is not None:
-      out["snapshot"] = self.snapshot
-    return out
+    """Layout-independent host state for checkpoints (numpy arrays; the device snapshot is
+    checkpointed with the train state, in logical form)."""
+    return {"refreshes": np.asarray(self.refreshes), "scores": self.scores,
+            "feat_scores": self.feat_scores, "seen": self.seen, "feat_seen": self.feat_seen}
 
   def load_state_dict(self, state: dict) -> None:
     """Restores `state_dict()` output; per-device feature scores reset if N changed."""
@@ -215,8 +244,6 @@ class Priority:
     if all(v.shape == self.feat_scores[k].shape for k, v in fs.items()):
       self.feat_scores = fs
       self.feat_seen = {k: np.asarray(v, bool) for k, v in state["feat_seen"].items()}
-    snap = state.get("snapshot")
-    self.snapshot = None if snap is None else jax.tree.map(np.asarray, snap)
 
 
 class Resizer:

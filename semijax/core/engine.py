@@ -80,7 +80,7 @@ class Engine:
     self.input_key = abstract.input_key
     self.unit_sizes = abstract.unit_sizes()
     self.num_units = self._num_units()
-    blocks = [resize_lib.block_index(path) for path, _ in
+    blocks = [sharding.block_index(path) for path, _ in
               jax.tree_util.tree_leaves_with_path(self.axes)]
     self.num_layers = 1 + max((b for b in blocks if b is not None), default=0)
     self.strict = strict
@@ -90,7 +90,6 @@ class Engine:
     self.batch_sharding = NamedSharding(mesh, P(mesh_lib.DATA))
     self.feeds = mesh_lib.batch_feed(mesh)[1]     # row blocks the processes feed
     self._compiled: dict = {}
-    self._packers: dict = {}   # jitted pack/unpack functions; index arrays are data
     self._migrator = None
     self.compile_count = 0
     self.trace_count = 0
@@ -158,20 +157,50 @@ class Engine:
     return self._migrator
 
   # --- parameters and optimizer state ---------------------------------------------------------
+  #
+  # Two forms of one state, both sharded over `tensor` (no device ever holds all of it):
+  #   padded: in a run's layout (`Layout`), what the steps compute on;
+  #   logical: in the canonical layout (`Layout.canonical`): every unit axis in logical unit order,
+  #     zeros appended up to N*ceil(U/N) units when N does not divide U. It is layout-independent
+  #     (checkpoints hold it) and, as a padded form itself, it moves to and from any layout with
+  #     the migration collective, group by group (`migrate.Migrator.move_groups`).
+
+  @property
+  def logical_layout(self) -> layout_lib.Layout:
+    """The canonical layout of the sharded logical form (see above)."""
+    return layout_lib.Layout.canonical(self.num_units, self.tensor_size)
 
   def _init_logical(self, seed: int) -> TrainState:
+    """The logical state from `seed`, unit axes padded to the canonical layout's slots."""
     params = nnx.to_pure_dict(nnx.split(self.model_fn(nnx.Rngs(seed)))[1])
-    return TrainState(params, self.tx.init(params))
+    state = TrainState(params, self.tx.init(params))
+    slots = {k: u.num_slots * self.unit_sizes[k] for k, u in self.logical_layout.kinds().items()}
+
+    def pad(x, a):
+      if (unit := a.unit()) is None:
+        return x
+      axis, kind = unit
+      widths = [(0, 0)] * x.ndim
+      widths[axis] = (0, slots[kind] - x.shape[axis])
+      return jnp.pad(x, widths)
+    return TrainState(jax.tree.map(pad, state.params, self.axes),
+                      sharding.map_params(self.tx, pad, state.opt_state, self.axes))
 
   def init_logical(self, seed: int) -> TrainState:
-    """Logical parameters and optimizer state from `seed` (replicated)."""
-    return jax.jit(functools.partial(self._init_logical, seed), out_shardings=self.replicated)()
+    """The sharded logical state from `seed` (parameters and optimizer state). Computed under
+    its output sharding, so each device builds only its share (no replicated copy)."""
+    return jax.jit(functools.partial(self._init_logical, seed),
+                   out_shardings=self.logical_shardings())()
 
   def abstract_logical(self) -> TrainState:
-    """Shapes, dtypes and (replicated) shardings of the logical state: a restore target."""
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated),
-        jax.eval_shape(functools.partial(self._init_logical, 0)))
+    """Shapes, dtypes and shardings of the sharded logical state: a restore target."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        jax.eval_shape(functools.partial(self._init_logical, 0)),
+                        self.logical_shardings())
+
+  def logical_shardings(self) -> TrainState:
+    abstract = jax.eval_shape(functools.partial(self._init_logical, 0))
+    return self.state_shardings(abstract.params)
 
   def state_shardings(self, params_abstract) -> TrainState:
     opt = jax.eval_shape(self.tx.init, params_abstract)
@@ -180,54 +209,79 @@ class Engine:
         transform_non_params=lambda x: self.replicated)
     return TrainState(self.param_shardings, opt_sh)
 
-  def _padded_abstract_params(self, layout):
-    slots = {k: u.num_slots for k, u in layout.kinds().items()}
-    def one(a, shape):
+  def tree_axes(self, tree):
+    """The `Axes` tree of a `TrainState` (moments get their parameter's axes) or of a
+    parameter-shaped tree."""
+    if isinstance(tree, TrainState):
+      return migrate.state_axes(tree, self.tx, self.axes)
+    return self.axes
+
+  def move(self, tree, old: layout_lib.Layout, new: layout_lib.Layout, *,
+           donate: bool = False, chunk="sized"):
+    """A `TrainState` (or a parameter-shaped tree) padded in `old`, padded in `new`: the
+    migration collective, one (block, kind) group of weights and moments at a time; `donate`
+    consumes `tree` group by group."""
+    self.check_layout(old)
+    self.check_layout(new)
+    moves = migrate.plan(old, new, chunk=chunk)
+    axes = self.tree_axes(tree)
+    return self.migrator().move_groups(tree, axes, moves, migrate.leaf_groups(tree, axes),
+                                       donate=donate)
+
+  def compile_moves(self, state, old: layout_lib.Layout, new: layout_lib.Layout) -> None:
+    """Compiles every migration `move` may run from `old`'s bucket to `new`'s: each unit kind's
+    group programs at every chunk size (`migrate.chunk_sizes`) and at none (nothing of that kind
+    moves). `state` is padded in `old`; `new` is a layout one small move away from it."""
+    axes = self.tree_axes(state)
+    groups = migrate.leaf_groups(state, axes)
+    mig = self.migrator()
+    # Nothing moves (K = 0): one layout's owners in both buckets (whichever bucket holds them).
+    at = lambda a, b: layout_lib.Layout(**{k: u.replace(capacity=b.kinds()[k].capacity,
+                                                        widths=b.kinds()[k].widths)
+                                           for k, u in a.kinds().items()})
+    fits = all(max(u.counts) <= new.kinds()[k].capacity for k, u in old.kinds().items())
+    options = [migrate.plan(old, at(old, new), chunk=0) if fits else
+               migrate.plan(at(new, old), new, chunk=0)]
+    sizes = {k: migrate.chunk_sizes(min(u.capacity, new.kinds()[k].capacity))
+             for k, u in old.kinds().items()}
+    for i in range(max(len(v) for v in sizes.values())):
+      options.append(migrate.plan(old, new, chunk={k: v[min(i, len(v) - 1)]
+                                                   for k, v in sizes.items()}))
+    for moves in options:
+      mig.compile_groups(state, axes, moves, groups, donate=True)
+
+  def to_padded(self, logical, layout: layout_lib.Layout, *, donate: bool = False):
+    """The logical state (params + optimizer moments, or a parameter-shaped tree) padded in
+    `layout`."""
+    return self.move(logical, self.logical_layout, layout, donate=donate)
+
+  def to_logical(self, padded, layout: layout_lib.Layout, *, donate: bool = False):
+    """A padded state (or parameter-shaped tree) of `layout` in the sharded logical form."""
+    return self.move(padded, layout, self.logical_layout, donate=donate)
+
+  def logical_arrays(self, logical) -> Any:
+    """Host numpy copies of a logical tree (params- or state-shaped) with exactly U units on
+    every unit axis (the canonical padding cut off): for tests, inspection and small models."""
+    units = {k: n * self.unit_sizes[k] for k, n in self.num_units.items()}
+    axes = self.tree_axes(logical)
+
+    def cut(x, a):
+      x = np.asarray(jax.device_get(x))
       if (unit := a.unit()) is None:
-        return jax.ShapeDtypeStruct(shape, jnp.float32)
+        return x
       axis, kind = unit
-      shape = list(shape)
-      shape[axis] = slots[kind] * self.unit_sizes[kind]
-      return jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
-    return jax.tree.map(one, self.axes, self.logical_shapes,
-                        is_leaf=lambda x: isinstance(x, tuple))
-
-  def to_padded(self, logical: TrainState, layout: layout_lib.Layout) -> TrainState:
-    """Packs a logical state (params + optimizer moments) into `layout`'s padded arrays."""
-    self.check_layout(layout)
-    key = ("pack", layout.bucket())
-    if key not in self._packers:
-      out_sh = self.state_shardings(self._padded_abstract_params(layout))
-      self._packers[key] = jax.jit(self._pack_state, out_shardings=out_sh)
-    return self._packers[key](logical, sharding.slot_index(layout))
-
-  def to_logical(self, padded: TrainState, layout: layout_lib.Layout) -> TrainState:
-    """Unpacks a padded state into layout-independent logical arrays (replicated)."""
-    self.check_layout(layout)
-    if "unpack" not in self._packers:
-      self._packers["unpack"] = jax.jit(self._unpack_state, out_shardings=self.replicated)
-    return self._packers["unpack"](padded, sharding.unit_index(layout))
-
-  def _pack_state(self, state, slots):
-    pack = lambda t: sharding.pack_tree(t, self.axes, slots, self.unit_sizes)
-    one = lambda x, a: sharding.pack_tree(x, a, slots, self.unit_sizes)
-    return TrainState(pack(state.params),
-                      sharding.map_params(self.tx, one, state.opt_state, self.axes))
-
-  def _unpack_state(self, state, units):
-    unpack = lambda t: sharding.unpack_tree(t, self.axes, units, self.unit_sizes)
-    one = lambda x, a: sharding.unpack_tree(x, a, units, self.unit_sizes)
-    return TrainState(unpack(state.params),
-                      sharding.map_params(self.tx, one, state.opt_state, self.axes))
+      return np.take(x, np.arange(units[kind]), axis=axis)
+    return jax.tree.map(cut, logical, axes)
 
   def init(self, seed: int, layout: layout_lib.Layout) -> TrainState:
     """A padded train state for `layout`, identical in logical form for every layout."""
-    return self.to_padded(self.init_logical(seed), layout)
+    return self.to_padded(self.init_logical(seed), layout, donate=True)
 
   def relayout(self, state: TrainState, old: layout_lib.Layout,
-               new: layout_lib.Layout) -> TrainState:
-    """Moves a padded state from layout `old` to layout `new` (through the logical form)."""
-    return self.to_padded(self.to_logical(state, old), new)
+               new: layout_lib.Layout, *, donate: bool = False, chunk="sized") -> TrainState:
+    """Moves a padded state from layout `old` to layout `new` (`move`; `chunk=None`: one
+    executable serves every pair of layouts of the two buckets)."""
+    return self.move(state, old, new, donate=donate, chunk=chunk)
 
   # --- sharded computation --------------------------------------------------------------------
 

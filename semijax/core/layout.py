@@ -192,6 +192,15 @@ class UnitLayout:
     """Every device owns num_units / num_devices units (the first ones one more if uneven)."""
     return cls.from_counts(kind, even_counts(num_units, num_devices), **kw)
 
+  @classmethod
+  def canonical(cls, kind: str, num_units: int, num_devices: int) -> "UnitLayout":
+    """The layout of the sharded *logical* form: device d owns units [d*C, (d+1)*C) in order,
+    C = ceil(U / N) (the last devices may own fewer, or none). Its padded arrays are the logical
+    arrays with zeros appended up to N*C units (none when N divides U)."""
+    c = -(-num_units // num_devices)
+    counts = [min(c, max(0, num_units - d * c)) for d in range(num_devices)]
+    return cls.from_counts(kind, counts, capacity=c, widths=(c,))
+
   def replace(self, **changes) -> "UnitLayout":
     return dataclasses.replace(self, **changes)
 
@@ -334,6 +343,11 @@ class Layout:
   @property
   def num_devices(self) -> int:
     return self.mlp.num_devices
+
+  @classmethod
+  def canonical(cls, num_units: dict, num_devices: int) -> "Layout":
+    """The sharded logical form's layout of both kinds (`UnitLayout.canonical`)."""
+    return cls(**{k: UnitLayout.canonical(k, num_units[k], num_devices) for k in KINDS})
 
   def kinds(self) -> dict[str, UnitLayout]:
     return {"mlp": self.mlp, "heads": self.heads}

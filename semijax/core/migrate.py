@@ -22,12 +22,20 @@ What compiles: the index arrays (`MovePlan`) are data of fixed shape, sharded ov
 one executable serves every A -> B pair with the same capacities (C_A, C_B) and chunk K per kind.
 `chunk=None` takes K = min(C_A, C_B), which fits any migration, so a capacity bucket needs one
 executable; its all_to_all then carries N*(N-1)*K slots per kind whatever moves (as much as an
-all-gather of the padded state). `chunk="tight"` takes the smallest power of two that fits this
+all-gather of the padded state). `chunk="sized"` takes the smallest of three sizes (`chunk_sizes`:
+a sixteenth, a quarter or all of the smaller capacity) that fits: the wire bytes follow the
+busiest pair's units, and warm-up compiles all four. `chunk="tight"` takes the smallest power of
+two that fits this
 migration's busiest device pair (0 for a kind that moves nothing): it sends far less and compiles
 once per distinct K (at most log2(C) + 2 per kind, which can be compiled ahead of time).
 
 A bucket switch (C_B != C_A) is the same program at other shapes: one compile per (C_A, C_B, K),
-and it moves only the units that change owner (no all-gather of the logical arrays).
+and it moves only the units that change owner (no all-gather of the logical arrays). The sharded
+logical form of a state is its padded form in the canonical layout (`Layout.canonical`), so
+packing, unpacking and checkpoints are migrations too. `Migrator.move_groups` runs a migration
+group by group of leaves (e.g. one transformer block's MLP weights, then their Adam moments),
+donating each group: a device then holds the state plus one group's old copy at most, where one
+program for the whole tree would hold the old and the new state at once when C_B != C_A.
 
 `ragged_all_to_all` would send exactly the moved units, but XLA:CPU does not implement it, so the
 fixed-chunk all_to_all is the portable path built and tested here.
@@ -38,6 +46,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -46,6 +56,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from semijax.core import layout as layout_lib
+from semijax.core import memory
 from semijax.core import mesh as mesh_lib
 from semijax.core import sharding
 
@@ -105,9 +116,11 @@ class Moves:
   dst: layout_lib.Layout
   kinds: dict  # {kind: KindMoves}
 
-  def key(self) -> tuple:
-    """What the compiled collective depends on: ((kind, C_A, C_B, K), ...)."""
-    return tuple((k, m.capacity_from, m.capacity_to, m.chunk) for k, m in self.kinds.items())
+  def key(self, kinds=None) -> tuple:
+    """What the compiled collective depends on: ((kind, C_A, C_B, K), ...), for `kinds` (default
+    all; a tree holding one kind's leaves depends on that kind's entry only)."""
+    return tuple((k, m.capacity_from, m.capacity_to, m.chunk) for k, m in self.kinds.items()
+                 if kinds is None or k in kinds)
 
   def units_moved(self) -> dict:
     return {k: m.moved for k, m in self.kinds.items()}
@@ -115,6 +128,21 @@ class Moves:
 
 def _tight_chunk(need: int, limit: int) -> int:
   return min(limit, 1 << max(0, int(need - 1).bit_length())) if need else 0
+
+
+# The chunk sizes of `chunk="sized"`, as shares of the smaller capacity: few enough that warm-up
+# compiles every one (three per unit kind and pair of buckets), fine enough that a small move
+# sends a sixteenth of what chunk=None (an all-gather's worth) sends.
+CHUNK_SHARES = (1 / 16, 1 / 4, 1)
+
+
+def chunk_sizes(limit: int) -> tuple[int, ...]:
+  """The chunk sizes `chunk="sized"` picks from for a smaller capacity `limit` (ascending)."""
+  return tuple(sorted({max(1, math.ceil(f * limit)) for f in CHUNK_SHARES}))
+
+
+def _sized_chunk(need: int, limit: int) -> int:
+  return next(k for k in chunk_sizes(limit) if k >= need) if need else 0
 
 
 def _kind_moves(a: layout_lib.UnitLayout, b: layout_lib.UnitLayout, chunk) -> KindMoves:
@@ -136,6 +164,8 @@ def _kind_moves(a: layout_lib.UnitLayout, b: layout_lib.UnitLayout, chunk) -> Ki
     k = limit
   elif chunk == "tight":
     k = _tight_chunk(int(pairs.max()), limit)
+  elif chunk == "sized":
+    k = _sized_chunk(int(pairs.max()), limit)
   else:
     k = int(chunk)
     if k < 0:
@@ -167,7 +197,9 @@ def plan(src: layout_lib.Layout, dst: layout_lib.Layout, *, chunk=None,
   Args:
     src, dst: layouts A and B of the same model on the same tensor devices.
     chunk: None (K = min(C_A, C_B): one executable per capacity pair), "tight" (smallest power
-      of two that fits, 0 if nothing moves), an int for every kind, or {kind: any of those}.
+      of two that fits, 0 if nothing moves), "sized" (the smallest of `chunk_sizes(min(C_A,
+      C_B))` that fits, 0 if nothing moves: a few sizes, all compiled ahead of time), an int for
+      every kind, or {kind: any of those}.
     max_capacity: optional {kind: largest compiled capacity}; B above it is refused.
 
   Raises:
@@ -262,6 +294,11 @@ def _unit_leaves(axes):
   return out
 
 
+def _kinds(axes) -> set:
+  """The unit kinds of the leaves of an `Axes` tree."""
+  return {kind for _, _, kind in _unit_leaves(axes)}
+
+
 def _elements(slots, unit_size):
   """Unit slots [K] -> entry indices [K*unit_size] along a unit axis."""
   return (slots[:, None] * unit_size + jnp.arange(unit_size)).reshape(-1)
@@ -333,7 +370,7 @@ class Migrator:
   """
 
   def __init__(self, mesh: jax.sharding.Mesh, unit_sizes: dict, *, donate: bool = False):
-    self.mesh, self.unit_sizes, self.donate = mesh, dict(unit_sizes), donate
+    self.mesh, self.unit_sizes, self.donate = mesh, dict(unit_sizes), bool(donate)
     self._compiled: dict = {}
     self.compile_count = 0
 
@@ -341,12 +378,13 @@ class Migrator:
   def for_engine(cls, engine, **kw) -> "Migrator":
     return cls(engine.mesh, engine.unit_sizes, **kw)
 
-  def device_plan(self, moves: Moves) -> MovePlan:
-    """The index arrays of `moves`, placed on the mesh (split over `tensor`)."""
+  def device_plan(self, moves: Moves, kinds=None) -> MovePlan:
+    """The index arrays of `moves` (of `kinds`, default all), placed on the mesh (split over
+    `tensor`)."""
     shard = NamedSharding(self.mesh, P(mesh_lib.TENSOR))
     put = lambda x: jax.device_put(x, shard)
-    return MovePlan(*({k: put(getattr(m, f)) for k, m in moves.kinds.items()}
-                      for f in ("send", "keep", "place")))
+    return MovePlan(*({k: put(getattr(m, f)) for k, m in moves.kinds.items()
+                       if kinds is None or k in kinds} for f in ("send", "keep", "place")))
 
   def check(self, tree, axes, moves: Moves) -> None:
     """Raises LayoutError unless `tree` is a padded tree of `moves.src` on this mesh."""
@@ -366,17 +404,19 @@ class Migrator:
             f"migration.tree{jax.tree_util.keystr(path)}: unit axis {axis} has {x.shape[axis]} "
             f"entries, but the current layout's padded {kind} axis has N*C*unit = {want}")
 
-  def _compiled_fn(self, tree, axes, moves: Moves, device_plan: MovePlan):
-    key = (moves.key(), jax.tree.structure(tree), _signature(tree), tuple(jax.tree.leaves(axes)))
+  def _compiled_fn(self, tree, axes, moves: Moves, device_plan: MovePlan, donate: bool):
+    units = _unit_leaves(axes)
+    moves_key = moves.key(_kinds(axes))
+    key = (moves_key, jax.tree.structure(tree), _signature(tree), tuple(jax.tree.leaves(axes)),
+           donate)
     fn = self._compiled.get(key)
     if fn is not None:
       return fn
-    units = _unit_leaves(axes)
     leaf_specs = [a.spec() for a in jax.tree.leaves(axes)]
     treedef = jax.tree.structure(tree)
     plan_specs = jax.tree.map(lambda _: P(mesh_lib.TENSOR), device_plan)
     local = functools.partial(_local_migrate, units=units, unit_sizes=self.unit_sizes,
-                              key=moves.key())
+                              key=moves_key)
     body = jax.shard_map(local, mesh=self.mesh, in_specs=(leaf_specs, plan_specs),
                          out_specs=leaf_specs)
 
@@ -384,22 +424,23 @@ class Migrator:
       return jax.tree.unflatten(treedef, body(jax.tree.leaves(tree), plan))
 
     out_sh = jax.tree.unflatten(treedef, [NamedSharding(self.mesh, s) for s in leaf_specs])
-    jitted = jax.jit(run, out_shardings=out_sh, donate_argnums=(0,) if self.donate else ())
+    jitted = jax.jit(run, out_shardings=out_sh, donate_argnums=(0,) if donate else ())
     abstract = lambda t: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
     fn = jitted.lower(abstract(tree), abstract(device_plan)).compile()
     self.compile_count += 1
-    logging.info("compiled migration %s (%d variants)", moves.key(), len(self._compiled) + 1)
+    logging.info("compiled migration %s (%d variants)", moves_key, len(self._compiled) + 1)
     self._compiled[key] = fn
     return fn
 
-  def compile(self, tree, axes, moves: Moves):
+  def compile(self, tree, axes, moves: Moves, *, donate: bool | None = None):
     """Compiles (ahead of time) the collective for `moves`' key and this tree's shapes; returns
     the compiled executable (e.g. to read its program with `.as_text()`)."""
     self.check(tree, axes, moves)
-    return self._compiled_fn(tree, axes, moves, self.device_plan(moves))
+    donate = self.donate if donate is None else donate
+    return self._compiled_fn(tree, axes, moves, self.device_plan(moves, _kinds(axes)), donate)
 
-  def __call__(self, tree, axes, moves: Moves):
+  def __call__(self, tree, axes, moves: Moves, *, donate: bool | None = None):
     """Moves a padded tree from layout `moves.src` to `moves.dst`.
 
     Args:
@@ -407,16 +448,76 @@ class Migrator:
       axes: an `Axes` tree of the same structure; leaves without a unit axis are left as they are.
       moves: from `plan(A, B)`.
 
+      donate: consume `tree` (default: the migrator's `donate`).
+
     Returns:
       The same tree in layout B (unit axes N*C_B*unit_size long, padding zero).
     """
     self.check(tree, axes, moves)
-    device_plan = self.device_plan(moves)
-    return self._compiled_fn(tree, axes, moves, device_plan)(tree, device_plan)
+    donate = self.donate if donate is None else donate
+    device_plan = self.device_plan(moves, _kinds(axes))
+    fn = self._compiled_fn(tree, axes, moves, device_plan, donate)
+    memory.observe(fn)
+    return fn(tree, device_plan)
+
+  def compile_groups(self, tree, axes, moves: Moves, groups, *, donate: bool = True) -> None:
+    """Compiles (ahead of time) what `move_groups` runs for these arguments."""
+    self.check(tree, axes, moves)
+    leaves, axes_leaves = jax.tree.leaves(tree), jax.tree.leaves(axes)
+    for group in groups:
+      self.compile([leaves[i] for i in group], [axes_leaves[i] for i in group], moves,
+                   donate=donate)
+
+  def move_groups(self, tree, axes, moves: Moves, groups, *, donate: bool = True):
+    """`self(tree, axes, moves)`, one group of leaves at a time (see module doc).
+
+    Args:
+      tree, axes, moves: as for `__call__`.
+      groups: lists of leaf indices (into `jax.tree.leaves(tree)`) that move together; every
+        unit leaf must be in one (`leaf_groups` makes them); other leaves stay as they are.
+      donate: consume each group's old leaves as it moves (the other leaves are then shared by
+        the input and the output).
+
+    Returns:
+      The tree in layout B. Groups whose leaves have the same shapes share one executable.
+    """
+    self.check(tree, axes, moves)
+    leaves, treedef = jax.tree.flatten(tree)
+    axes_leaves = jax.tree.leaves(axes)
+    # Leaves that do not move are shared by the input and the output when the input is consumed;
+    # otherwise copied, so that donating one tree later never deletes the other's buffers.
+    out = list(leaves) if donate else [x.copy() for x in leaves]
+    for group in groups:
+      with warnings.catch_warnings():
+        # A group whose capacity changes cannot reuse its donated buffers for the output; it is
+        # donated anyway, so that its old copy is freed before the next group moves.
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        moved = self([leaves[i] for i in group], [axes_leaves[i] for i in group], moves,
+                     donate=donate)
+      for i, x in zip(group, moved):
+        out[i] = x
+        if donate and not leaves[i].is_deleted():
+          leaves[i].delete()       # freed now, even where XLA could not reuse it for the output
+    return jax.tree.unflatten(treedef, out)
 
   def migrate_state(self, state, moves: Moves, tx, axes):
     """Migrates an engine `TrainState` (parameters and every parameter-shaped optimizer leaf)."""
     return self(state, state_axes(state, tx, axes), moves)
+
+
+def leaf_groups(tree, axes) -> list[list[int]]:
+  """Leaf indices of `tree`'s unit leaves grouped by (sub-tree, transformer block, unit kind),
+  in order: one block's MLP (or attention) weights move together, then their first Adam moments,
+  then their second ones. The groups of every block and sub-tree have the same shapes, so they
+  share one compiled program per kind. Leaves outside the blocks (none carry units in the models
+  here) group by sub-tree and kind."""
+  groups: dict = {}
+  paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+  for i, _, kind in _unit_leaves(axes):
+    keys = [jax.tree_util.keystr((k,)) for k in paths[i]]
+    cut = keys.index("['blocks']") if "['blocks']" in keys else len(keys) - 1
+    groups.setdefault((tuple(keys[:cut]), sharding.block_index(paths[i]), kind), []).append(i)
+  return list(groups.values())
 
 
 def state_axes(state, tx, axes):

@@ -29,6 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from semijax.core import sharding
+
 
 MODES = ("units", "contraction")
 IMPUTATIONS = ("zero", "fill", "rescale")
@@ -90,15 +92,6 @@ class Resize:
 
 # --- parameters touched by resizing -------------------------------------------------------------
 
-def block_index(path) -> int | None:
-  """The block a parameter belongs to: the integer key after "blocks" in its tree path."""
-  keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-  for a, b in zip(keys, keys[1:]):
-    if a == "blocks":
-      return int(b)
-  return None
-
-
 def role(axes) -> str | None:
   """"col" (column-parallel weight [d_model, units]), "bias", "row" ([units, d_model]) or None."""
   unit = axes.unit()
@@ -125,7 +118,7 @@ def skip_masks(resize: Resize, active: dict, axes, unit_sizes: dict):
   never = jnp.zeros((), bool)
   def one(path, a):
     r = role(a)
-    layer = block_index(path)
+    layer = sharding.block_index(path)
     if r is None or layer is None:
       return never
     _, kind = a.unit()

@@ -46,6 +46,15 @@ class Axes:
     return P(*(RULES.get(n) for n in self.names))
 
 
+def block_index(path) -> int | None:
+  """The block a parameter belongs to: the integer key after "blocks" in its tree path."""
+  keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+  for a, b in zip(keys, keys[1:]):
+    if a == "blocks":
+      return int(b)
+  return None
+
+
 def axes_tree(abstract_state) -> dict:
   """The `Axes` of every parameter of an nnx state, as a pure dict (metadata key `axes`)."""
   def one(v):

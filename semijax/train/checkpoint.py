@@ -1,8 +1,9 @@
 """Orbax checkpoints of the *logical* train state, with the layout stored beside it.
 
 A checkpoint holds layout-independent parameters and optimizer state (every unit axis in logical
-order, no padding), so it restores onto any layout, capacity bucket or tensor device count: the
-engine packs it into the new padded layout. Beside it, a JSON item records the step, the data
+order; zeros appended up to a multiple of the tensor devices when they do not divide the units),
+saved sharded as the devices hold them (`Engine.to_logical`), so it restores onto any layout,
+capacity bucket or tensor device count: the engine moves it into the new padded layout. Beside it, a JSON item records the step, the data
 position, the layout it was trained with and the model config (a checkpoint is never restored
 into a different model).
 """
@@ -33,15 +34,23 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def save(self, step: int, logical: engine_lib.TrainState, meta: dict,
-           extra: dict | None = None) -> None:
+           extra: dict | None = None, snapshot=None) -> None:
     """Saves and waits until the checkpoint is committed (so a crash later cannot lose it).
 
-    `extra`: optional host state (a tree of numpy arrays, e.g. resize priority scores).
+    Args:
+      step: the step (the sub-folder's name).
+      logical: the sharded logical train state (each process writes its devices' shards).
+      meta: JSON-able facts (data position, layout, model).
+      extra: optional host state (a tree of numpy arrays, e.g. resize priority scores).
+      snapshot: optional sharded logical parameter-shaped tree (the priority's snapshot).
     """
     items = dict(state=ocp.args.StandardSave(logical),
-                 meta=ocp.args.JsonSave(dict(meta, step=step, has_extra=extra is not None)))
+                 meta=ocp.args.JsonSave(dict(meta, step=step, has_extra=extra is not None,
+                                             has_snapshot=snapshot is not None)))
     if extra is not None:
       items["extra"] = ocp.args.StandardSave(extra)
+    if snapshot is not None:
+      items["snapshot"] = ocp.args.StandardSave(snapshot)
     self._manager.save(step, args=ocp.args.Composite(**items))
     self._manager.wait_until_finished()
 
@@ -55,11 +64,25 @@ class Checkpointer:
     return jax.tree.map(np.asarray, restored.extra)
 
   def restore(self, abstract: engine_lib.TrainState, step: int | None = None):
-    """(logical TrainState, meta dict) of `step` (default: latest); `abstract` gives shardings."""
+    """(logical TrainState, meta dict) of `step` (default: latest), sharded as `abstract` says.
+
+    The unit axes of the logical form carry zeros after the last unit up to a multiple of the
+    tensor devices; restoring onto another device count pads or cuts those zeros (`strict=False`:
+    the model itself was checked against the meta before).
+    """
     step = self.latest_step() if step is None else step
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(abstract, strict=False), meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
+
+  def restore_snapshot(self, abstract, step: int | None = None):
+    """The logical snapshot saved with `step` (sharded as `abstract`), or None."""
+    step = self.latest_step() if step is None else step
+    if not self.read_meta(step).get("has_snapshot"):
+      return None
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        snapshot=ocp.args.StandardRestore(abstract, strict=False)))
+    return restored.snapshot
 
   def read_meta(self, step: int | None = None) -> dict:
     step = self.latest_step() if step is None else step

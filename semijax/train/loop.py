@@ -84,8 +84,8 @@ def _cached_engine(run: config_lib.RunConfig, cache: dict | None) -> engine_lib.
 
 
 def _restore_or_init(engine, ckpt, run: config_lib.RunConfig, layout):
-  """(padded state, start step, balancer state) from the latest checkpoint in workdir, or
-  fresh from the seed."""
+  """(padded state, start step, {"balance": host state, "snapshot": padded priority snapshot}
+  or None) from the latest checkpoint in workdir, or fresh from the seed."""
   step = ckpt.latest_step()
   if step is None:
     return engine.init(run.seed, layout), 0, None
@@ -94,10 +94,28 @@ def _restore_or_init(engine, ckpt, run: config_lib.RunConfig, layout):
     raise ConfigError(
         f"config.model: the checkpoint at step {step} in {ckpt.directory} was trained with model "
         f"{meta.get('model')}, not {run.model.to_dict()}; use another --workdir")
-  logical, meta = ckpt.restore(engine.abstract_logical(), step)
+  abstract = engine.abstract_logical()
+  logical, meta = ckpt.restore(abstract, step)
   say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with MLP units "
       f"{_counts(meta['layout'], 'mlp')}), continuing to step {run.steps}")
-  return engine.to_padded(logical, layout), int(meta["data_position"]), ckpt.restore_extra(step)
+  snapshot = ckpt.restore_snapshot(abstract.params, step)
+  extra = {"balance": ckpt.restore_extra(step), "snapshot": None if snapshot is None else
+           engine.to_padded(snapshot, layout, donate=True)}
+  return engine.to_padded(logical, layout, donate=True), int(meta["data_position"]), extra
+
+
+def _save(ckpt, engine, balancer, state, step: int, meta: dict):
+  """Saves a checkpoint; returns the state. The state (and a priority snapshot) go through the
+  sharded logical form in place (donated group by group), so no device holds two copies."""
+  layout = balancer.layout
+  logical = engine.to_logical(state, layout, donate=True)
+  snapshot = balancer.snapshot
+  if snapshot is not None:
+    snapshot = engine.to_logical(snapshot, layout, donate=True)
+  ckpt.save(step, logical, meta, balancer.state_dict(), snapshot)
+  if snapshot is not None:
+    balancer.snapshot = engine.to_padded(snapshot, layout, donate=True)
+  return engine.to_padded(logical, layout, donate=True)
 
 
 def _counts(layout_json: dict, kind: str) -> tuple:
@@ -148,7 +166,10 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
                                        keep=run.keep_checkpoints)
     stack.callback(ckpt.close)
     state, start, extra = _restore_or_init(engine, ckpt, run, balancer.layout)
-    balancer.load_state_dict(extra)
+    if extra is not None:
+      balancer.load_state_dict(extra["balance"])
+      if extra["snapshot"] is not None:
+        balancer.snapshot = extra["snapshot"]
     writer = stack.enter_context(metrics_lib.MetricWriter(workdir, resume_step=start))
     writer.write_config(run.source)
     if run.sync.mode != "sync" and jax.process_count() > 1:    # one replica per process
@@ -225,7 +246,7 @@ def _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_war
     if (run.checkpoint_every and step % run.checkpoint_every == 0) or step == run.steps:
       meta = {"data_position": step, "layout": balancer.layout.to_json(),
               "model": run.model.to_dict()}
-      ckpt.save(step, engine.to_logical(state, balancer.layout), meta, balancer.state_dict())
+      state = _save(ckpt, engine, balancer, state, step, meta)
       last_saved = step
   timed = step_times[1:] or step_times
   mean_dt = float(np.mean(timed)) if timed else float("nan")

@@ -24,13 +24,13 @@ def test_counts_and_actives_inside_a_bucket_reuse_the_compiled_step():
   batch = eng.shard_batch(H.make_batch("gpt"))
   state = eng.init(0, even)
   eng.compile(state, batch, eng.plan(even))            # ahead of time, once per bucket
-  state = eng.relayout(state, even, even)              # warm the (data-driven) repacking too
+  state = eng.relayout(state, even, even, chunk=None)  # warm the (data-driven) repacking too
   traces, compiles = eng.trace_count, eng.compile_count
 
   with H.count_backend_compiles() as events:
     prev = even
     for lay in (uneven, resized, even, resized):
-      state = eng.relayout(state, prev, lay)
+      state = eng.relayout(state, prev, lay, chunk=None)
       plan = eng.plan(lay)
       state, metrics = eng.train_step(state, batch, plan)
       eng.eval_terms(state.params, batch, plan)

@@ -53,7 +53,7 @@ def dense_equivalent(eng, layout, rz, params):
   for (path, a), x in zip(flat, jax.tree.leaves(params)):
     x = np.array(x)
     mask = np.zeros(x.shape, bool)
-    role, layer = resize_lib.role(a), resize_lib.block_index(path)
+    role, layer = resize_lib.role(a), sharding.block_index(path)
     if role is not None and layer is not None:
       axis, kind = a.unit()
       us, u = eng.unit_sizes[kind], layout.kinds()[kind]
@@ -139,10 +139,11 @@ def test_keep_one_is_bit_identical_to_no_resizing(mode):
     assert np.array_equal(np.asarray(x), np.asarray(y))
 
 
-def padded_masks(eng, layout, plan):
+def padded_masks(eng, params, plan):
+  """The skip masks of `plan`, broadcast to the shapes of the padded `params`."""
   masks = jax.jit(lambda p: resize_lib.skip_masks(p.resize, p.active, eng.axes, eng.unit_sizes))(
       plan)
-  shapes = jax.tree.map(lambda s: np.zeros(s.shape, bool), eng._padded_abstract_params(layout))
+  shapes = jax.tree.map(lambda x: np.zeros(x.shape, bool), params)
   return jax.tree.map(lambda m, z: np.broadcast_to(np.asarray(m), z.shape), masks, shapes)
 
 
@@ -164,7 +165,7 @@ def test_freeze_keeps_skipped_units_and_moments_unchanged(mode):
   for freeze in (True, False) if mode == "units" else (True,):
     pr = make_priority(eng, layout, keep=KEEP, mode=mode, imputation="fill", freeze=freeze)
     plan = eng.plan(layout, resize=pr.select(layout, KEEP))
-    masks = padded_masks(eng, layout, plan)
+    masks = padded_masks(eng, state.params, plan)
     start = eng.to_padded(eng.to_logical(state, layout), layout)   # a copy (steps donate)
     after[freeze], _ = train_steps(eng, start, layout, [plan], batches[2:])
   mask_leaves = jax.tree.leaves(masks)
@@ -202,6 +203,12 @@ def _edit(params, layer, name, fn):
   return params
 
 
+def on_devices(eng, params, layout):
+  """Host logical `params` padded in `layout` on the devices (what a refresh reduces)."""
+  logical = jax.tree.map(jax.device_put, params, eng.logical_shardings().params)
+  return eng.to_padded(logical, layout)
+
+
 def _owned_mlp(layout, d):
   return np.asarray(layout.mlp.owned[d])
 
@@ -212,7 +219,7 @@ def test_weight_delta_scores_changes_and_keeps_stale_scores(policy):
   layout = uneven_layout(11)
   params = jax.device_get(eng.init_logical(0).params)
   pr = make_priority(eng, layout, keep=KEEP, priority=policy)
-  pr.refresh(params, eng.axes, layout)                    # first refresh: snapshot only
+  pr.refresh(on_devices(eng, params, layout), eng.axes, layout)   # first: a snapshot only
   assert np.all(pr.scores["mlp"] == 1.0)
   rz = pr.select(layout, KEEP)                            # ties: device 0 keeps its first half
   units = _owned_mlp(layout, 0)
@@ -225,7 +232,7 @@ def test_weight_delta_scores_changes_and_keeps_stale_scores(policy):
     w = w + 0.01
     w[:, big] += 10.0
     return w
-  pr.refresh(_edit(params, 0, "w1", bump), eng.axes, layout)
+  pr.refresh(on_devices(eng, _edit(params, 0, "w1", bump), layout), eng.axes, layout)
   scores = pr.scores["mlp"][0]
   np.testing.assert_allclose(scores[kept_units], 0.01 * D_MODEL, rtol=1e-4)  # L1 change
   assert np.all(scores[skipped_units] == 1.0)             # skipped: stale, not 10 * D_MODEL
@@ -251,7 +258,7 @@ def test_magnitude_keeps_the_largest_units():
   big = units[-3:]
   params = _edit(params, 1, "w2", lambda w: w.__setitem__(big, 5.0) or w)
   pr = make_priority(eng, layout, keep=(1.0, 1.0, 3 / len(units), 1.0), priority="magnitude")
-  pr.refresh(params, eng.axes, layout)
+  pr.refresh(on_devices(eng, params, layout), eng.axes, layout)
   rz = pr.select(layout, pr.spec.keep)
   assert rz.kept["mlp"][2, 1] == 3
   assert set(units[rz.order["mlp"][2, 1, :3]]) == set(big)
@@ -266,7 +273,7 @@ def test_random_policy_is_seeded_and_redrawn_at_refresh():
   for _ in range(2):
     pr = make_priority(eng, layout, keep=KEEP, priority="random")
     first = pr.select(layout, KEEP).order["mlp"].copy()
-    pr.refresh(params, eng.axes, layout)
+    pr.refresh(on_devices(eng, params, layout), eng.axes, layout)
     picks.append((first, pr.select(layout, KEEP).order["mlp"]))
   np.testing.assert_array_equal(picks[0][0], picks[1][0])   # same seed, same subsets
   np.testing.assert_array_equal(picks[0][1], picks[1][1])
@@ -284,7 +291,7 @@ def test_contraction_features_follow_their_scores():
   def big_rows(w):
     w[np.ix_(rows, units)] = 3.0
     return w
-  pr.refresh(_edit(params, 0, "w1", big_rows), eng.axes, layout)
+  pr.refresh(on_devices(eng, _edit(params, 0, "w1", big_rows), layout), eng.axes, layout)
   rz = pr.select(layout, pr.spec.keep)
   assert rz.feats_kept["mlp"][0, 0] == 8
   np.testing.assert_array_equal(rz.feats["mlp"][0, 0, :8], np.sort(rows))
