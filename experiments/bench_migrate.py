@@ -4,12 +4,14 @@ For the gpt_tiny CPU config and a wider model (d_model 1024, one layer), on 8 fa
 devices: move 1, 5 and 25 percent of ONE device's units (device 0 gives its last units to the
 other seven in turn) and report
 
-  * bytes moved (units that change owner: weights, biases and both Adam moments of every layer)
-    and bytes the fixed-chunk all_to_all carries (chunk = capacity, one executable per bucket;
-    and chunk = "tight", the smallest power of two that fits this migration);
-  * the median time of one migration, over the median time of one training step;
-  * a bucket switch (device 1 receives so many units that its capacity grows) and the logical
-    round trip (`Engine.relayout`) for comparison;
+  * bytes moved (units that change owner: weights, biases and both Adam moments of every layer),
+    the bytes the policy path's all_to_all carries (`Engine.move`: chunk "sized", the smallest of
+    a few precompiled chunk sizes that fits, one group of leaves at a time, as a running policy
+    migrates) and the bytes of an all-gather of the padded state (what chunk = capacity carries,
+    and what a move through a replicated logical copy cost before);
+  * the median time of one policy-path migration, over the median time of one training step;
+  * a bucket switch (device 1 receives so many units that its capacity grows), also on the
+    policy path;
   * offload: the same units computed by helpers every step, as the extra time of forward +
     backward of one attention + MLP block with offload over the block without, times the layers,
     over the training step. On one host the fake devices share the cores, so this shows the
@@ -137,12 +139,14 @@ def bench_model(name, config, repeats):
   axes = migrate.state_axes(state, engine.tx, engine.axes)
   rows = []
 
-  def timed_migration(moves, back):
-    mig.compile(state, axes, moves)
-    there = mig(state, axes, moves)
-    mig.compile(there, axes, back)
-    def round_trip():                # A -> B -> A: two migrations of the same size
-      return mig(mig(state, axes, moves), axes, back)
+  def timed_move(b):
+    """Median seconds of one policy-path move A -> B (timed as A -> B -> A, halved)."""
+    engine.compile_moves(holder["state"], a, b)
+    engine.compile_moves(engine.move(holder["state"], a, b), b, a)
+    def round_trip():
+      holder["state"] = engine.move(engine.move(holder["state"], a, b, donate=True), b, a,
+                                    donate=True)
+      return holder["state"]
     return median_s(round_trip, repeats) / 2
 
   total_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
@@ -151,7 +155,7 @@ def bench_model(name, config, repeats):
        "mlp": state.params["encoder"]["blocks"][0]["mlp"]}
   none = {k: offload.no_offload(u, engine.mesh) for k, u in a.kinds().items()}
   blk, names = block_fn(engine, a, none, x)
-  w = {g: {nm: w[g][nm] for nm in ns} for g, ns in names.items()}
+  w = {g: {nm: w[g][nm].copy() for nm in ns} for g, ns in names.items()}   # moves donate
   block_s = median_s(lambda: blk(w, none, x), repeats)
 
   for share in SHARES:
@@ -159,10 +163,14 @@ def bench_model(name, config, repeats):
     b = migrate.move_units(a, moves_by_kind)
     row = {"model": name, "share": share,
            "units": {k: len(v) for k, v in moves_by_kind.items()}}
-    moves = migrate.plan(a, b, chunk="tight")
+    moves = migrate.plan(a, b, chunk="sized")
     nbytes = migrate.payload_bytes(state, axes, moves, engine.unit_sizes)
-    secs = timed_migration(moves, migrate.plan(b, a, chunk="tight"))
+    gather = migrate.payload_bytes(state, axes, migrate.plan(a, b, chunk=None),
+                                   engine.unit_sizes)["wire"]
+    secs = timed_move(b)
+    state = holder["state"]
     row.update({"moved_bytes": nbytes["moved"], "wire_bytes": nbytes["wire"],
+                "allgather_bytes": gather, "wire_over_allgather": nbytes["wire"] / gather,
                 "chunk": {k: mv.chunk for k, mv in moves.kinds.items()},
                 "migrate_s": secs, "migrate_over_step": secs / step_s})
     # Offload of the same units: helpers compute them in every block, every step.
@@ -177,19 +185,18 @@ def bench_model(name, config, repeats):
                 "offload_bytes_per_step": 2 * nbytes["moved"] // 3})   # weights out, grads back
     rows.append(row)
 
-  # One executable for every pair of the bucket (chunk = C): the same cost whatever moves, so it
-  # is timed once, on the largest share.
+  # An all-gather's worth (chunk = C: one executable for every pair of the bucket), once.
   full = migrate.plan(a, b, chunk=None)
-  full_s = timed_migration(full, migrate.plan(b, a, chunk=None))
+  mig.compile(state, axes, full)
+  mig.compile(mig(state, axes, full), axes, migrate.plan(b, a, chunk=None))
+  full_s = median_s(lambda: mig(mig(state, axes, full), axes, migrate.plan(b, a, chunk=None)),
+                    repeats) / 2
   full_wire = migrate.payload_bytes(state, axes, full, engine.unit_sizes)["wire"]
   # A bucket switch: device 1 receives units until its capacity must grow.
   grow = {"mlp": [(u, 1) for u in a.mlp.owned[0][: a.mlp.capacity - a.mlp.counts[1] + 1]]}
   big = migrate.move_units(a, grow, capacities={"mlp": (a.mlp.capacity, 2 * a.mlp.capacity)})
-  switch = migrate.plan(a, big, chunk="tight")
-  sw_s = timed_migration(switch, migrate.plan(big, a, chunk="tight"))
-  relayout = lambda: engine.relayout(state, a, a)
-  jax.block_until_ready(relayout())
-  rel_s = median_s(relayout, repeats)
+  switch = migrate.plan(a, big, chunk="sized")
+  sw_s = timed_move(big)
   extra = {"model": name, "step_s": step_s, "state_bytes": total_bytes,
            "chunk_capacity": {"wire_bytes": full_wire, "seconds": full_s,
                               "over_step": full_s / step_s},
@@ -197,8 +204,9 @@ def bench_model(name, config, repeats):
                              "units": switch.units_moved()["mlp"],
                              "moved_bytes": migrate.payload_bytes(state, axes, switch,
                                                                   engine.unit_sizes)["moved"],
+                             "wire_bytes": migrate.payload_bytes(state, axes, switch,
+                                                                 engine.unit_sizes)["wire"],
                              "seconds": sw_s, "over_step": sw_s / step_s},
-           "relayout_via_logical_s": rel_s, "relayout_over_step": rel_s / step_s,
            "migration_compiles": mig.compile_count}
   return rows, extra
 
@@ -223,20 +231,23 @@ def main(argv):
     print(f"{name}: done in {extra['bench_seconds']:.0f} s", flush=True)
   mib = lambda b: b / 2**20
   table = report.markdown_table(
-      ["model", "share of dev 0", "units (mlp/heads)", "moved MiB", "all_to_all MiB",
-       "migrate s", "migrate / step", "offload overhead / step (every step)"],
+      ["model", "share of dev 0", "units (mlp/heads)", "moved MiB", "policy-path wire MiB",
+       "all-gather MiB", "wire / all-gather", "migrate s", "migrate / step",
+       "offload overhead / step (every step)"],
       [[r["model"], f"{100 * r['share']:g}%", f"{r['units']['mlp']}/{r['units']['heads']}",
-        mib(r["moved_bytes"]), mib(r["wire_bytes"]), r["migrate_s"], r["migrate_over_step"],
+        mib(r["moved_bytes"]), mib(r["wire_bytes"]), mib(r["allgather_bytes"]),
+        r["wire_over_allgather"], r["migrate_s"], r["migrate_over_step"],
         r["offload_overhead_over_step"]] for r in all_rows])
   table += "\n" + report.markdown_table(
-      ["model", "train step s", "state MiB", "chunk=C (any pair) MiB / step",
-       "bucket switch / step (C, units)", "relayout via logical / step",
+      ["model", "train step s", "state MiB", "all-gather's worth (chunk=C): MiB / time over step",
+       "bucket switch on the policy path: time over step (C, units, wire MiB)",
        "migration executables"],
       [[n, e["step_s"], mib(e["state_bytes"]),
         f"{mib(e['chunk_capacity']['wire_bytes']):.3g} / {e['chunk_capacity']['over_step']:.3g}",
         f"{e['bucket_switch']['over_step']:.3g} ({e['bucket_switch']['capacity'][0]}->"
-        f"{e['bucket_switch']['capacity'][1]}, {e['bucket_switch']['units']})",
-        e["relayout_over_step"], e["migration_compiles"]] for n, e in models.items()])
+        f"{e['bucket_switch']['capacity'][1]}, {e['bucket_switch']['units']}, "
+        f"{mib(e['bucket_switch']['wire_bytes']):.3g})",
+        e["migration_compiles"]] for n, e in models.items()])
   payload = {"backend": jax.default_backend(), "jax": jax.__version__, "devices": jax.device_count(),
              "quick": _QUICK.value, "repeats": repeats, "rows": all_rows, "models": models}
   paths = report.write(_OUT.value, "results", payload, table)
