@@ -1,7 +1,7 @@
 r"""The headline benchmark: every balancing policy under real contention and emulated stragglers.
 
   python experiments/bench_straggler.py --quick      # short runs, 3 rounds (about 15 minutes)
-  python experiments/bench_straggler.py              # 300-step runs, 3 rounds (about an hour)
+  python experiments/bench_straggler.py              # long runs, 3 rounds (about 55 minutes)
   python experiments/bench_straggler.py --quick --mode=real --scenarios=steady \
       --policies=even,static,semi                    # a part of it
 
@@ -29,7 +29,8 @@ from benchmarks import straggler as sb  # noqa: E402
 from semijax.runtime import cli  # noqa: E402
 from semijax.runtime import launch  # noqa: E402
 
-_QUICK = flags.DEFINE_bool("quick", False, "Short runs (40 steps real, 16 emulated).")
+_QUICK = flags.DEFINE_bool("quick", False, "Short runs: 40 steps real, 16 emulated (else 300, "
+                           "150 without contention, 48 emulated).")
 _OUT = flags.DEFINE_string("out", "results/bench_straggler", "Output directory.")
 _MODE = flags.DEFINE_enum("mode", "all", ["all", "real", "emulated"], "Which part to run.")
 _SCENARIOS = flags.DEFINE_list("scenarios", list(sb.SCENARIOS), "Real-contention scenarios.")
