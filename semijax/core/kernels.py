@@ -42,6 +42,7 @@ from jax import ad_checkpoint
 BRANCH_MODES = ("saved", "remat", "residuals")
 SAVED = "semijax_branch_saved"
 _branch_mode = "saved"
+_saving = False       # tracing the branches of a switch in "saved" mode (see `saved`)
 
 
 @contextlib.contextmanager
@@ -67,19 +68,27 @@ def at_bucket(index: jax.Array, variants: tuple, fn: Callable, *operands):
   """Runs `fn(variants[index], *operands)`: static variants, a traced index (see module doc)."""
   if len(variants) == 1:
     return fn(variants[0], *operands)
+  global _saving
   branches = [functools.partial(fn, v) for v in variants]
   if _branch_mode == "saved":
     policy = jax.checkpoint_policies.save_only_these_names(SAVED)
     branches = [jax.checkpoint(b, policy=policy) for b in branches]
   elif _branch_mode == "remat":
     branches = [jax.checkpoint(b) for b in branches]
-  return jax.lax.switch(index, branches, *operands)
+  before, _saving = _saving, _branch_mode == "saved"
+  try:                                   # lax.switch traces the branches here
+    return jax.lax.switch(index, branches, *operands)
+  finally:
+    _saving = before
 
 
 def saved(a: jax.Array, capacity: int) -> jax.Array:
   """`a` [..., n], a GEMM output a branch keeps for its backward pass: padded to [..., capacity]
   with zeros and named `SAVED` (so that every branch keeps the same shape), then cut back to n.
-  The identity outside a checkpointed branch."""
+  The identity outside the branches of a switch in "saved" mode (a single-width step keeps its
+  residuals as autodiff does)."""
+  if not _saving:
+    return a
   n = a.shape[-1]
   if n >= capacity:
     return ad_checkpoint.checkpoint_name(a, SAVED)
