@@ -1,44 +1,40 @@
-"""Lossless migration: move unit ownership between tensor devices with one compiled collective.
+"""Lossless migration: move unit ownership between tensor devices with one compiled program.
 
 A migration takes a padded state from layout A to layout B (same units, new owners, counts or
 slot order). Only units whose owner changes travel; units that stay may change slot (compaction)
-with a local gather. Per unit kind and leaf, on every tensor device d:
+with a local gather. Per unit kind, on every tensor device d:
 
-  1. gather the units d sends to device t into chunk t of a small send buffer [N*K, ...]
-     (K = `chunk` slots per device pair);
-  2. exchange the buffers with one `all_to_all` over `tensor` (chunk t goes to device t); the
-     buffers of all leaves of a kind (weights, biases and optimizer moments of every layer) are
-     of one dtype are concatenated first, so there is one all_to_all per (kind, dtype): one per
-     kind for a float32 state, none for a kind with K = 0; the all_to_alls are chained, so every
-     device enters them in the same order;
-  3. gather the staying units into their new slots (the rest is zero) and scatter the received
-     units into theirs.
+  1. gather the staying units into their new slots (the rest is zero);
+  2. for r = 1 .. N-1: gather the (at most K = `chunk`) units d sends to device d + r into a
+     buffer [K, ...], `ppermute` it (every device sends to d + r and receives from d - r, mod N)
+     and scatter the received units into their slots. The leaves of a kind (weights, biases and
+     optimizer moments of every layer) of one dtype share each round's buffer, so there are N-1
+     ppermutes per (kind, dtype), none for a kind with K = 0. Rounds are chained, so every device
+     enters them in the same order and one round's buffer is gone before the next: a round holds
+     K units, where one `all_to_all` of the same bytes would hold N*K at once.
 
-Exact copies only: A -> B -> A returns the padded state bit for bit, and padding stays zero. Local
-work is one gather over each unit leaf (compaction) plus O(N*K) rows; communication is the
-all_to_all.
+Exact copies only: A -> B -> A returns the padded state bit for bit, and padding stays zero.
+The wire carries N*(N-1)*K slots per kind (`KindMoves.wire_slots`).
 
 What compiles: the index arrays (`MovePlan`) are data of fixed shape, sharded over `tensor`, so
 one executable serves every A -> B pair with the same capacities (C_A, C_B) and chunk K per kind.
-`chunk=None` takes K = min(C_A, C_B), which fits any migration, so a capacity bucket needs one
-executable; its all_to_all then carries N*(N-1)*K slots per kind whatever moves (as much as an
-all-gather of the padded state). `chunk="sized"` takes the smallest of three sizes (`chunk_sizes`:
-a sixteenth, a quarter or all of the smaller capacity) that fits: the wire bytes follow the
-busiest pair's units, and warm-up compiles all four. `chunk="tight"` takes the smallest power of
-two that fits this
-migration's busiest device pair (0 for a kind that moves nothing): it sends far less and compiles
-once per distinct K (at most log2(C) + 2 per kind, which can be compiled ahead of time).
+`chunk=None` takes K = min(C_A, C_B), which fits any migration: one executable per pair of
+buckets, but as many bytes as an all-gather of the padded state whatever moves. `chunk="sized"`
+takes the smallest of three sizes (`chunk_sizes`: a sixteenth, a quarter or all of the smaller
+capacity) that fits the busiest device pair: the bytes on the wire follow the units that change
+owner, and warm-up compiles every size (`Engine.compile_moves`). `chunk="tight"` takes the
+smallest power of two that fits (at most log2(C) + 2 executables per kind).
 
-A bucket switch (C_B != C_A) is the same program at other shapes: one compile per (C_A, C_B, K),
-and it moves only the units that change owner (no all-gather of the logical arrays). The sharded
-logical form of a state is its padded form in the canonical layout (`Layout.canonical`), so
-packing, unpacking and checkpoints are migrations too. `Migrator.move_groups` runs a migration
-group by group of leaves (e.g. one transformer block's MLP weights, then their Adam moments),
-donating each group: a device then holds the state plus one group's old copy at most, where one
-program for the whole tree would hold the old and the new state at once when C_B != C_A.
+A bucket switch (C_B != C_A) is the same program at other shapes, and moves only the units that
+change owner. The sharded logical form of a state is its padded form in the canonical layout
+(`Layout.canonical`), so packing, unpacking and checkpoints are migrations too.
+`Migrator.move_groups` runs a migration group by group of leaves (one transformer block's MLP
+weights, then their Adam moments, ...), donating each group: a device then holds the state plus
+one group's old copy and one round's buffers at most, where one program for the whole tree would
+hold the old and the new state at once when C_B != C_A.
 
-`ragged_all_to_all` would send exactly the moved units, but XLA:CPU does not implement it, so the
-fixed-chunk all_to_all is the portable path built and tested here.
+`ragged_all_to_all` would send exactly the moved units in one collective, but XLA:CPU does not
+implement it, so the fixed-chunk rounds are the portable path built and tested here.
 """
 
 from __future__ import annotations
@@ -73,7 +69,7 @@ class KindMoves:
   Attributes:
     kind: "mlp" or "heads".
     capacity_from, capacity_to: C_A and C_B.
-    chunk: K, slots per (source, destination) device pair in the all_to_all.
+    chunk: K, slots per (source, destination) device pair in the exchange.
     send: int32 [N, N*K]: row d, entry t*K + k is device d's local slot (under A) of the k-th
       unit it sends to device t; C_A means nothing (a zero-filled slot).
     keep: int32 [N, C_B]: for each slot of device d under B, the local slot under A of the unit
@@ -103,7 +99,7 @@ class KindMoves:
 
   @property
   def wire_slots(self) -> int:
-    """Unit slots the all_to_all carries between distinct devices: N*(N-1)*K."""
+    """Unit slots the exchange carries between distinct devices: N*(N-1)*K."""
     n = self.num_devices
     return n * (n - 1) * self.chunk
 
@@ -330,28 +326,37 @@ def _local_migrate(leaves, plan: MovePlan, *, units, unit_sizes, key):
                         fill_value=0)
     if not chunk or not members:
       continue
-    # Group the kind's leaves by dtype: one all_to_all per (kind, dtype).
+    # Group the kind's leaves by dtype; each group exchanges its units in N-1 rounds of ppermute,
+    # round r sending device d's chunk for device d + r (mod N): a round's buffers hold K units
+    # (where one all_to_all would hold N*K at once).
     groups: dict = {}
     for i, axis in members:
       groups.setdefault(jnp.dtype(leaves[i].dtype), []).append((i, axis))
-    send = _elements(plan.send[kind][0], u)
-    place = _elements(plan.place[kind][0], u)
+    n = plan.send[kind].shape[1] // chunk
+    me = jax.lax.axis_index(mesh_lib.TENSOR)
     for group in groups.values():
-      parts = []
-      for i, axis in group:           # [.., N*K*u, ..] -> [N*K, u * rest]
-        x = jnp.take(leaves[i], send, axis=axis, mode="fill", fill_value=0)
-        x = jnp.moveaxis(x, axis, 0)
-        parts.append((x.shape[1:], x.reshape(x.shape[0] // u, -1)))
-      buf = jnp.concatenate([p for _, p in parts], axis=1)                  # [N*K, F]
-      if last is not None:
-        # Every device must enter the collectives in the same order (XLA:CPU runs independent
-        # ones in any order per device, and a rendezvous then waits forever): chain them.
-        buf, _ = jax.lax.optimization_barrier((buf, last))
-      recv = last = jax.lax.all_to_all(buf, mesh_lib.TENSOR, 0, 0, tiled=True)  # [N*K, F]
-      offsets = np.cumsum([0] + [p.shape[1] for _, p in parts])
-      for (i, axis), (shape, _), lo, hi in zip(group, parts, offsets[:-1], offsets[1:]):
-        r = jnp.moveaxis(recv[:, lo:hi].reshape(-1, *shape), 0, axis)
-        out[i] = out[i].at[_on_axis(axis, place)].set(r, mode="drop")
+      for r in range(1, n):
+        send = _elements(jax.lax.dynamic_slice(plan.send[kind][0], ((me + r) % n * chunk,),
+                                               (chunk,)), u)
+        place = _elements(jax.lax.dynamic_slice(plan.place[kind][0], ((me - r) % n * chunk,),
+                                                (chunk,)), u)
+        parts = []
+        for i, axis in group:           # [.., K*u, ..] -> [K, u * rest]
+          x = jnp.take(leaves[i], send, axis=axis, mode="fill", fill_value=0)
+          x = jnp.moveaxis(x, axis, 0)
+          parts.append((x.shape[1:], x.reshape(x.shape[0] // u, -1)))
+        buf = jnp.concatenate([p for _, p in parts], axis=1)                # [K, F]
+        if last is not None:
+          # Every device must enter the collectives in the same order (XLA:CPU runs independent
+          # ones in any order per device, and a rendezvous then waits forever), and one round's
+          # buffers should be gone before the next: chain them.
+          buf, _ = jax.lax.optimization_barrier((buf, last))
+        recv = last = jax.lax.ppermute(buf, mesh_lib.TENSOR,
+                                       perm=[(d, (d + r) % n) for d in range(n)])  # [K, F]
+        offsets = np.cumsum([0] + [p.shape[1] for _, p in parts])
+        for (i, axis), (shape, _), lo, hi in zip(group, parts, offsets[:-1], offsets[1:]):
+          got = jnp.moveaxis(recv[:, lo:hi].reshape(-1, *shape), 0, axis)
+          out[i] = out[i].at[_on_axis(axis, place)].set(got, mode="drop")
   return out
 
 
@@ -360,8 +365,8 @@ def _signature(tree) -> tuple:
 
 
 class Migrator:
-  """Executes `Moves` on padded trees of one mesh: one jitted shard_map program (one all_to_all
-  per unit kind and dtype), compiled once per (moves key, tree shapes).
+  """Executes `Moves` on padded trees of one mesh: one jitted shard_map program (N-1 ppermute
+  rounds per unit kind and dtype), compiled once per (moves key, tree shapes).
 
   Args:
     mesh: the (data, tensor) mesh the padded trees live on.
@@ -541,7 +546,7 @@ def migrate(tree, axes, moves: Moves, *, mesh: jax.sharding.Mesh, unit_sizes: di
 
 
 def payload_bytes(tree, axes, moves: Moves, unit_sizes: dict) -> dict:
-  """{"moved": bytes of the units that change owner, "wire": bytes the all_to_all carries
+  """{"moved": bytes of the units that change owner, "wire": bytes the exchange carries
   between distinct devices} for a padded tree of layout `moves.src` (summed over all leaves)."""
   per_unit = {k: 0 for k in moves.kinds}
   n = moves.src.num_devices

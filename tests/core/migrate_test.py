@@ -209,15 +209,16 @@ def test_bucket_switch_compiles_once_and_moves_only_the_delta(small):
   assert_bitwise(back, place(mesh, small_tree(a)))
 
 
-def test_one_all_to_all_per_kind_and_dtype(small):
-  # The module documents one collective per (unit kind, dtype) with units to move: here the
-  # MLP leaves come in float32 and bfloat16 (2) and the head leaves in float32 (1).
+def test_ppermute_rounds_per_kind_and_dtype(small):
+  # The module documents N-1 ppermute rounds per (unit kind, dtype) with units to move: here the
+  # MLP leaves come in float32 and bfloat16 (2 groups) and the head leaves in float32 (1).
   mig, mesh = small["mig"], small["mesh"]
   a, b = random_layout(3), random_layout(4)
   tree = dict(small_tree(a))
   tree["b1"] = tree["b1"].astype(jnp.bfloat16)
   program = mig.compile(place(mesh, tree), SMALL_AXES, migrate.plan(a, b)).as_text()
-  assert program.count(" all-to-all(") == 3
+  assert program.count(" collective-permute(") == 3 * (N - 1)
+  assert " all-to-all(" not in program
   moved = mig(place(mesh, tree), SMALL_AXES, migrate.plan(a, b))
   want = dict(small_tree(b))
   want["b1"] = want["b1"].astype(jnp.bfloat16)
