@@ -184,13 +184,18 @@ class Programs:
 
 def outer_step(settings: settings_lib.SyncSettings, params, stacked, momentum):
   """Local SGD's outer step from the replicas' parameters `stacked` [R, *P]: (new global
-  parameters [*P], new momentum [*P]).
+  parameters [*P], new momentum [*P]) (`outer_update` of their mean)."""
+  return outer_update(settings, params, jax.tree.map(lambda x: jnp.mean(x, 0), stacked),
+                      momentum)
 
-  "average": the global parameters become the replicas' mean. "nesterov" (DiLoCo): the outer
-  gradient delta = global - mean; momentum m <- mu m + delta; global <- global - lr (delta +
-  mu m) (SGD with Nesterov momentum, as torch.optim.SGD(nesterov=True) computes it).
+
+def outer_update(settings: settings_lib.SyncSettings, params, mean, momentum):
+  """(new global parameters, new momentum) from the replicas' mean parameters.
+
+  "average": the global parameters become the mean. "nesterov" (DiLoCo): the outer gradient
+  delta = global - mean; momentum m <- mu m + delta; global <- global - lr (delta + mu m) (SGD
+  with Nesterov momentum, as torch.optim.SGD(nesterov=True) computes it).
   """
-  mean = jax.tree.map(lambda x: jnp.mean(x, 0), stacked)
   if settings.outer != "nesterov":
     return mean, momentum
   mu, lr = settings.outer_momentum, settings.outer_lr

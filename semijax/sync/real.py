@@ -7,8 +7,9 @@ replica (its local devices are its tensor group, the `tensor` axis of a local me
 
   * control goes through the `jax.distributed` key-value store (the coordination service every
     multi-process job already runs): an atomic counter hands out microbatches, each replica
-    posts "ready" (its gradient is computed) under its own key, and a small coordinator thread
-    in process 0 applies the round rule (`timeline`'s: first fresh arrival, grace, staleness
+    posts "ready" (its gradient is computed) under the next number of a shared post counter,
+    and a small coordinator thread in process 0, waiting on the next post (a blocking read that
+    costs no CPU), applies the round rule (`timeline`'s: first fresh arrival, grace, staleness
     bound) to those posts on the wall clock and publishes each round: its members, their
     weights (`weights.combine`) and learning-rate factor;
   * data goes through collectives over the round's *members only*: a program on the mesh of
@@ -32,7 +33,6 @@ gradient per replica. The coordinator is one thread; it reads and writes only sm
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import threading
@@ -52,7 +52,7 @@ from semijax.sync import programs as programs_lib
 from semijax.sync import settings as settings_lib
 from semijax.sync import weights as weights_lib
 
-_POLL_S = 0.002           # how often the coordinator looks at the replicas' posts
+_IDLE_MS = 1_000          # the coordinator's longest wait for a post before it looks again
 _WAIT_MS = 3_600_000      # the longest a replica waits for the next round's message
 _WARM_ALL_SUBSETS = 4     # up to this many replicas, every member set is compiled at warm-up
 
@@ -76,6 +76,24 @@ class KeyValue:
 
   def get(self, key: str, timeout_ms: int = _WAIT_MS) -> str:
     return self.client.blocking_key_value_get(self.prefix + key, timeout_ms)
+
+  def wait(self, key: str, timeout_ms: int) -> str | None:
+    """The value of `key` once it is set, or None after `timeout_ms` (the wait costs no CPU)."""
+    try:
+      return self.client.blocking_key_value_get(self.prefix + key, max(1, int(timeout_ms)))
+    except jax.errors.JaxRuntimeError as e:
+      if "DEADLINE_EXCEEDED" not in str(e):
+        raise
+      return None
+
+  def try_get(self, key: str) -> str | None:
+    """The value of `key`, or None if it is not set (does not wait)."""
+    try:
+      return self.client.key_value_try_get(self.prefix + key)
+    except jax.errors.JaxRuntimeError as e:
+      if "NOT_FOUND" not in str(e):
+        raise
+      return None
 
   def dir(self, key: str) -> dict[str, str]:
     return {k[len(self.prefix + key):]: v
@@ -171,6 +189,8 @@ class Coordinator:
     self._t0 = 0.0
     self._open_s = 0.0
     self._next_eval = eval_every_samples
+    self._posts = 0           # posts taken
+    self._deadline = None     # the grace deadline the coordinator waits for, if any
     self._thread = threading.Thread(target=self._run, name="semijax-ssaw-coordinator",
                                     daemon=True)
 
@@ -191,24 +211,35 @@ class Coordinator:
         self._read_posts()
         if self._decide():
           return
-        time.sleep(_POLL_S)
     except BaseException as e:     # pylint: disable=broad-except
       self.error = e
       self.store.set(f"round/{len(self.rounds) + 1}", Message(done=True).to_json())
 
   def _read_posts(self) -> None:
+    """Waits for the next post (replicas number them with a shared counter), at most until a
+    pending grace deadline, then takes every post that is there."""
+    wait_ms = _IDLE_MS
+    if self._deadline is not None:
+      wait_ms = min(wait_ms, 1e3 * (self._deadline - time.perf_counter()))
+    value = self.store.wait(f"post/{self._posts}", wait_ms)
+    while value is not None:
+      self._posts += 1
+      self._take(value)
+      value = self.store.try_get(f"post/{self._posts}")
+
+  def _take(self, post: str) -> None:
+    i, seq, base, samples, microbatch = (int(x) for x in post.split())
+    r = self.replicas[i]
     now = time.perf_counter()
-    for key, value in self.store.dir("ready/").items():
-      r = self.replicas[int(key)]
-      seq, base, samples, microbatch = (int(x) for x in value.split())
-      if seq > r.seq:
-        r.seq = seq
-        r.ready = {"base": base, "samples": samples, "microbatch": microbatch, "at": now}
-        if samples:
-          r.estimate_s = now - r.started_s
+    if seq > r.seq:
+      r.seq = seq
+      r.ready = {"base": base, "samples": samples, "microbatch": microbatch, "at": now}
+      if samples:
+        r.estimate_s = now - r.started_s
 
   def _decide(self) -> bool:
     """Publishes a round (or the end) if the rule says so; True when the run is over."""
+    self._deadline = None
     ready = [i for i, r in enumerate(self.replicas) if r.ready is not None]
     if not ready:
       return False
@@ -236,6 +267,8 @@ class Coordinator:
                 self.replicas[i].started_s + self.replicas[i].estimate_s <= deadline]
     if time.perf_counter() >= deadline or not expected:
       self._close(ready)
+    else:
+      self._deadline = deadline
     return False
 
   def _close(self, members: list[int]) -> None:
@@ -317,6 +350,7 @@ class GroupPrograms:
     self._specs = jax.tree.map(lambda s: s.spec, self.local_state_shardings)
     self._programs: dict = {}
     self.compiled = 0
+    self._warm = False
 
   def _mesh(self, members) -> jax.sharding.Mesh:
     devices = np.asarray(self.global_mesh.devices)
@@ -327,15 +361,33 @@ class GroupPrograms:
     if key not in self._programs:
       mesh = self._mesh(members)
       plain = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._specs)
+      stacked = jax.tree.map(lambda spec: P(mesh_lib.DATA, *spec), self._specs)
       tx = self.local.tx
 
+      def combine(pending, weights, source, state=None):
+        """Per device: this member's weighted gradient and (join) the source's state, summed
+        over the members with one all-reduce per dtype."""
+        i = jax.lax.axis_index(mesh_lib.DATA)
+        w = weights[i]
+        grads = jax.tree.map(lambda p: jnp.where(w > 0, w * p[0], 0.0), pending)
+        if state is None:
+          return psum_packed(grads, mesh_lib.DATA)
+        state = jax.tree.map(lambda x: jnp.where(source[i], x[0], jnp.zeros_like(x[0])), state)
+        return psum_packed((grads, state), mesh_lib.DATA)
+
       def update(state, pending, weights, lr_factor, source):
+        # check_vma=False: packing puts tensor-replicated leaves in one vector with split ones,
+        # so JAX cannot see that the former stay equal on every tensor device; they do (equal
+        # inputs, the same arithmetic, one sum over `data`).
         if join:     # the source member's state, to everyone
-          state = jax.tree.map(
-              lambda x: jnp.sum(jnp.where(source.reshape((-1,) + (1,) * (x.ndim - 1)), x,
-                                          jnp.zeros_like(x)), 0), state)
-        w = lambda p: weights.reshape((-1,) + (1,) * (p.ndim - 1))
-        grads = jax.tree.map(lambda p: jnp.sum(jnp.where(w(p) > 0, w(p) * p, 0.0), 0), pending)
+          grads, state = jax.shard_map(
+              combine, mesh=mesh, in_specs=(stacked.params, P(), P(), stacked),
+              out_specs=(self._specs.params, self._specs), check_vma=False)(
+                  pending, weights, source, state)
+        else:
+          grads = jax.shard_map(
+              combine, mesh=mesh, in_specs=(stacked.params, P(), P()),
+              out_specs=self._specs.params, check_vma=False)(pending, weights, source)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         updates = jax.tree.map(lambda u: u * lr_factor, updates)
         return engine_lib.TrainState(optax.apply_updates(state.params, updates), opt_state)
@@ -368,6 +420,9 @@ class GroupPrograms:
     """Compiles and runs (on throwaway copies) the programs of every member set that holds this
     process (only the full set and singletons beyond _WARM_ALL_SUBSETS replicas), in one global
     order, so every set's members run it together."""
+    if self._warm:
+      return
+    self._warm = True
     me = jax.process_index()
     sets = [s for n in range(num_replicas, 0, -1)
             for s in itertools.combinations(range(num_replicas), n)]
@@ -380,6 +435,22 @@ class GroupPrograms:
         copy = jax.tree.map(lambda x: x.copy(), state)
         w = np.full(len(members), 1.0 / len(members))
         jax.block_until_ready(self.run(members, join, copy, pending, w, 0.0, members[0]))
+
+
+def psum_packed(tree, axis: str):
+  """`lax.psum(tree, axis)` as one all-reduce per dtype: the leaves are packed into one vector
+  first (a collective per leaf costs a round trip each, and under CPU contention every round
+  trip waits for a descheduled process). For use inside `shard_map`."""
+  leaves, treedef = jax.tree.flatten(tree)
+  out = list(leaves)
+  for dtype in sorted({x.dtype for x in leaves}, key=str):
+    index = [i for i, x in enumerate(leaves) if x.dtype == dtype]
+    flat = jax.lax.psum(jnp.concatenate([leaves[i].reshape(-1) for i in index]), axis)
+    offset = 0
+    for i in index:
+      out[i] = flat[offset:offset + leaves[i].size].reshape(leaves[i].shape)
+      offset += leaves[i].size
+  return jax.tree.unflatten(treedef, out)
 
 
 def stack1(x: jax.Array) -> jax.Array:
@@ -430,7 +501,8 @@ class RoundsReplica:
         terms = jax.device_get(terms)      # waits for the gradient
         samples = self.samples
         self.computed.append(j)
-      self.store.set(f"ready/{me}", f"{seq} {version} {samples} {j}")
+      n = self.store.increment("posts") - 1
+      self.store.set(f"post/{n}", f"{me} {seq} {version} {samples} {j}")
       seq += 1
       while True:
         msg = Message.from_json(self.store.get(f"round/{k}"))
@@ -446,7 +518,8 @@ class RoundsReplica:
 
 
 class Averager:
-  """Local SGD's outer step over every process: one all-reduce of the replicas' parameters.
+  """Local SGD's outer step over every process: one (packed) all-reduce of the replicas'
+  parameters, then the outer update on every process.
 
   Args:
     local: the engine of this process's replica; global_mesh: the job's mesh.
@@ -458,8 +531,18 @@ class Averager:
     self.local, self.mesh, self.settings = local, global_mesh, settings
     self._specs = jax.tree.map(lambda s: s.spec, local.param_shardings)
     plain = jax.tree.map(lambda spec: NamedSharding(global_mesh, spec), self._specs)
-    self._fn = jax.jit(functools.partial(programs_lib.outer_step, settings),
-                       out_shardings=(plain, plain))
+    stacked = jax.tree.map(lambda spec: P(mesh_lib.DATA, *spec), self._specs)
+    r = global_mesh.shape[mesh_lib.DATA]
+
+    def outer(params, replicas, momentum):
+      mean = jax.shard_map(   # check_vma=False: see GroupPrograms (packing)
+          lambda x: jax.tree.map(lambda s: s / r, psum_packed(
+              jax.tree.map(lambda y: y[0], x), mesh_lib.DATA)),
+          mesh=global_mesh, in_specs=(stacked,), out_specs=self._specs,
+          check_vma=False)(replicas)
+      return programs_lib.outer_update(settings, params, mean, momentum)
+
+    self._fn = jax.jit(outer, out_shardings=(plain, plain))
 
   def __call__(self, params, stacked, momentum):
     """(new global params, new momentum), this process's copies; `stacked` is its [1, *P]

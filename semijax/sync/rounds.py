@@ -65,16 +65,19 @@ class RoundRunner:
     batch_size: the global batch (R microbatches).
     total_microbatches: the stream's length (steps x R).
     learning_rate: progress (samples applied / batch_size, a float) -> the schedule's rate.
+    programs: the engine's `programs.Programs` to use (runs of one engine can share them and
+      their compiled programs), or None for new ones.
   """
 
   def __init__(self, engine: engine_lib.Engine, settings: settings_lib.SyncSettings, *,
                batch_size: int, total_microbatches: int,
-               learning_rate: Callable[[float], float]):
+               learning_rate: Callable[[float], float],
+               programs: programs_lib.Programs | None = None):
     self.engine, self.settings = engine, settings
     self.num_replicas = engine.data_size
     self.batch_size = batch_size
     self.microbatch_samples = batch_size // self.num_replicas
-    self.programs = programs_lib.Programs(engine, settings)
+    self.programs = programs or programs_lib.Programs(engine, settings)
     self.timeline = timeline_lib.Timeline(settings, self.num_replicas, self.microbatch_samples,
                                           total_microbatches)
     self.learning_rate = learning_rate

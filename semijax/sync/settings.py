@@ -36,8 +36,8 @@ class SyncSettings:
       "samples" (no discount).
     staleness_power: "poly"'s exponent. staleness_decay: "exp"'s factor per update.
     lr_batch_power: ssaw: an update's learning rate is the schedule's (at the samples applied so
-      far) times (sum of its weights / batch_size)^lr_batch_power (0.5: Adam's square-root
-      scaling rule; 1: linear; 0: none).
+      far) times (sum of its weights / batch_size)^lr_batch_power (0: every round a full step;
+      0.5: Adam's square-root scaling rule; 1: linear).
     local_steps: local_sgd: local optimizer steps between two averages (H).
     outer: local_sgd: "average" (the replicas' parameters are averaged) or "nesterov" (DiLoCo:
       the averaged delta is an outer gradient for SGD with Nesterov momentum).
@@ -53,7 +53,7 @@ class SyncSettings:
   weighting: str = "poly"
   staleness_power: float = 1.0
   staleness_decay: float = 0.5
-  lr_batch_power: float = 0.5
+  lr_batch_power: float = 0.0
   local_steps: int = 8
   outer: str = "average"
   outer_lr: float = 0.7

@@ -123,7 +123,8 @@ def base_config() -> ml_collections.ConfigDict:
                                    # alone ("samples")
   c.sync.staleness_power = 1.0
   c.sync.staleness_decay = 0.5
-  c.sync.lr_batch_power = 0.5      # ssaw: lr x (weights / batch_size)^power (Adam's sqrt rule)
+  c.sync.lr_batch_power = 0.0      # ssaw: lr x (weights / batch_size)^power (0.5: Adam's
+                                   # square-root rule; 0: every round a full step)
   c.sync.local_steps = 8           # local_sgd: local steps between averages (H)
   c.sync.outer = "average"         # local_sgd: "average" or "nesterov" (DiLoCo's outer optimizer)
   c.sync.outer_lr = 0.7            # ... its learning rate
@@ -136,6 +137,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.b1 = 0.9
   c.optimizer.b2 = 0.95
   c.optimizer.grad_clip = 1.0      # Global gradient-norm clip; 0 = none.
+  c.optimizer.schedule_steps = 0   # Steps of the learning-rate schedule; 0 = steps (longer runs
+                                   # go on at the final rate).
 
   c.model = ml_collections.ConfigDict()   # name + the fields of models.REGISTRY[name].FIELDS
   c.data = ml_collections.ConfigDict()
@@ -333,7 +336,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   balance = _balance(config, hetero, resize)
   o = config.optimizer
   optimizer = optimizer_lib.OptimizerSpec(o.learning_rate, o.warmup_steps, o.weight_decay, o.b1,
-                                          o.b2, o.grad_clip).validate()
+                                          o.b2, o.grad_clip, o.schedule_steps).validate()
   data = data_lib.DataSpec.from_config(config)
   sync = _sync(config, mesh, balance, resize, num_devices, process_count)
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,

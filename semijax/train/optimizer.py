@@ -21,6 +21,9 @@ class OptimizerSpec:
     weight_decay: AdamW's decoupled weight decay, on matrices only.
     b1, b2: Adam's moment decay rates.
     grad_clip: global gradient-norm clip; 0 = none.
+    schedule_steps: steps of the warmup-and-decay schedule; 0 = the run's steps. A run longer
+      than its schedule trains on at the final rate (a study that trains past a sample budget
+      to see when a loss is reached, with the schedule of the budget).
   """
 
   learning_rate: float = 3e-3
@@ -29,6 +32,7 @@ class OptimizerSpec:
   b1: float = 0.9
   b2: float = 0.95
   grad_clip: float = 1.0
+  schedule_steps: int = 0
 
   def validate(self) -> "OptimizerSpec":
     f = "config.optimizer"
@@ -36,9 +40,10 @@ class OptimizerSpec:
     if not (number(self.learning_rate) and self.learning_rate > 0):
       raise ConfigError(f"{f}.learning_rate: must be a positive number, got "
                         f"{self.learning_rate!r}")
-    w = self.warmup_steps
-    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-      raise ConfigError(f"{f}.warmup_steps: must be an integer >= 0, got {w!r}")
+    for name in ("warmup_steps", "schedule_steps"):
+      w = getattr(self, name)
+      if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+        raise ConfigError(f"{f}.{name}: must be an integer >= 0, got {w!r}")
     for name in ("weight_decay", "grad_clip"):
       v = getattr(self, name)
       if not (number(v) and v >= 0):
@@ -51,6 +56,8 @@ class OptimizerSpec:
 
 
 def learning_rate_schedule(spec: OptimizerSpec, steps: int) -> optax.Schedule:
+  """Linear warmup, then cosine decay to a tenth over `spec.schedule_steps` (or `steps`)."""
+  steps = spec.schedule_steps or steps
   warmup = min(spec.warmup_steps, steps - 1)
   return optax.warmup_cosine_decay_schedule(0.0, spec.learning_rate, warmup, steps,
                                             spec.learning_rate * 0.1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+import weakref
 from typing import Callable
 
 import jax
@@ -74,6 +75,20 @@ class Batches:
     return {k: v[rows] for k, v in self.global_batch(j // self.num_replicas).items()}
 
 
+# {engine: {outer optimizer: Programs}}: runs of one engine (benchmarks pass an engine cache)
+# share the replica programs, so they compile once.
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def programs_for(engine: engine_lib.Engine, settings) -> programs_lib.Programs:
+  """The replica programs of `engine` for `settings` (shared between runs of the engine)."""
+  key = (settings.outer, settings.outer_lr, settings.outer_momentum)
+  by_settings = _PROGRAMS.setdefault(engine, {})
+  if key not in by_settings:
+    by_settings[key] = programs_lib.Programs(engine, settings)
+  return by_settings[key]
+
+
 def learning_rate_fn(run: config_lib.RunConfig) -> Callable[[float], float]:
   """progress (in global batches, a float) -> the run's scheduled learning rate."""
   schedule = jax.jit(optimizer_lib.learning_rate_schedule(run.optimizer, run.steps))
@@ -119,7 +134,7 @@ class _Rounds:
     r = run.mesh.data
     self.runner = rounds_lib.RoundRunner(
         engine, run.sync, batch_size=run.batch_size, total_microbatches=run.steps * r,
-        learning_rate=learning_rate_fn(run))
+        learning_rate=learning_rate_fn(run), programs=programs_for(engine, run.sync))
     self.owner = np.full(run.steps * r, -1, np.int64)   # the replica that computed each
                                                          # applied microbatch (-1: not yet)
 
@@ -190,7 +205,7 @@ class _LocalSGD:
 
   def __init__(self, run, engine, balancer):
     self.run, self.engine = run, engine
-    self.programs = programs_lib.Programs(engine, run.sync)
+    self.programs = programs_for(engine, run.sync)
     self.step = 0               # local steps done
     self.replicas = None        # stacked [R, *P] TrainState
     self.momentum = None        # outer momentum [*P]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from typing import Callable
 
 import jax
@@ -28,7 +29,6 @@ from jax.experimental import multihost_utils
 
 from semijax.core import engine as engine_lib
 from semijax.errors import ConfigError
-from semijax.sync import programs as programs_lib
 from semijax.sync import real as real_lib
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
@@ -42,6 +42,20 @@ def say(message: str) -> None:
   """A console line for the user (process 0 only)."""
   if jax.process_index() == 0:
     print(message, flush=True)
+
+
+# {the job's engine: this process's replica engine}: runs of one engine share it (and the
+# compiled programs hanging off it).
+_LOCAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_AVERAGERS: dict = {}
+
+
+def _local_engine(engine: engine_lib.Engine) -> engine_lib.Engine:
+  if engine not in _LOCAL:
+    _LOCAL[engine] = engine_lib.Engine(engine.model_fn, engine.loss_terms,
+                                       real_lib.local_mesh(engine.mesh), engine.tx)
+  return _LOCAL[engine]
 
 
 def _local_state(state: engine_lib.TrainState, local: engine_lib.Engine):
@@ -58,14 +72,13 @@ def train(run: config_lib.RunConfig, engine: engine_lib.Engine, writer, state, s
   if start:
     raise ConfigError(f"--workdir: it holds a checkpoint (step {start}); multi-process "
                       f"sync.mode {run.sync.mode!r} runs do not resume yet: use a new workdir")
-  local = engine_lib.Engine(engine.model_fn, engine.loss_terms,
-                            real_lib.local_mesh(engine.mesh), engine.tx)
+  local = _local_engine(engine)
   lstate = _local_state(state, local)
   dataset = data_lib.build(run.data, 0, 1)       # any process may claim any microbatch
   batches = replica_loop.Batches(dataset, run.mesh.data)
   eval_batches = [local.shard_batch(b) for b in dataset.eval_batches()]
   plan = local.plan(run.layout)
-  programs = programs_lib.Programs(local, run.sync).bind(lstate)
+  programs = replica_loop.programs_for(local, run.sync).bind(lstate)
   runner = (_local_sgd if run.sync.mode == "local_sgd" else _rounds)
   t0 = time.perf_counter()
   out = runner(run, engine.mesh, local, programs, plan, batches, lstate, after_warmup, t0)
@@ -88,7 +101,9 @@ def _rounds(run, global_mesh, local, programs, plan, batches, lstate, after_warm
   """ssaw / async: (final params, snapshots, per-round records)."""
   r = run.mesh.data
   store = real_lib.new_store()
-  groups = real_lib.GroupPrograms(local, global_mesh, lstate)
+  if local not in _GROUPS:
+    _GROUPS[local] = real_lib.GroupPrograms(local, global_mesh, lstate)
+  groups = _GROUPS[local]
   batch = local.shard_batch(batches.microbatch(0))
   scratch, _ = programs.compute(lstate.params, programs.zeros(lstate.params), batch, plan,
                                 np.ones(1, bool))
@@ -134,7 +149,10 @@ def _rounds(run, global_mesh, local, programs, plan, batches, lstate, after_warm
 def _local_sgd(run, global_mesh, local, programs, plan, batches, lstate, after_warmup, t0):
   """local_sgd: (final params, snapshots, per-step records)."""
   r, me = run.mesh.data, jax.process_index()
-  averager = real_lib.Averager(local, global_mesh, run.sync)
+  key = (local, run.sync.outer, run.sync.outer_lr, run.sync.outer_momentum)
+  if key not in _AVERAGERS:
+    _AVERAGERS[key] = real_lib.Averager(local, global_mesh, run.sync)
+  averager = _AVERAGERS[key]
   params = lstate.params
   replicas = programs.stack(lstate)
   momentum = jax.tree.map(lambda x: x * 0.0, params)

@@ -8,12 +8,17 @@ import json
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from helpers import ROOT
+from semijax.core import mesh as mesh_lib
 from semijax.runtime import contention
 from semijax.runtime import launch
+from semijax.sync import real
 from semijax.train import metrics
 from semijax.train import replica_processes
 
@@ -61,3 +66,20 @@ def test_local_sgd_in_two_processes(tmp_path):
   curve = np.asarray(out["curve"])
   assert list(curve[:, 1]) == [2 * BATCH, 4 * BATCH, 6 * BATCH]   # evaluated at every average
   assert curve[-1, 2] < curve[0, 2]
+
+
+def test_psum_packed_is_psum_in_one_all_reduce_per_dtype():
+  mesh = mesh_lib.make_mesh(4, 2)
+  tree = {"a": jnp.arange(4 * 6, dtype=jnp.float32).reshape(4, 6),
+          "b": jnp.arange(4 * 2 * 3, dtype=jnp.float32).reshape(4, 2, 3),
+          "n": jnp.arange(4, dtype=jnp.int32)}
+  specs = {"a": P("data", "tensor"), "b": P("data", None, None), "n": P("data")}
+  run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs,), out_specs=specs,
+                                        check_vma=False))(tree)
+  packed = run(lambda t: real.psum_packed(t, "data"))
+  expected = run(lambda t: jax.lax.psum(t, "data"))
+  for k in tree:
+    np.testing.assert_array_equal(np.asarray(packed[k]), np.asarray(expected[k]))
+  hlo = jax.jit(jax.shard_map(lambda t: real.psum_packed(t, "data"), mesh=mesh, in_specs=(specs,),
+                              out_specs=specs, check_vma=False)).lower(tree).as_text()
+  assert hlo.count("all-reduce") == 2 or hlo.count("all_reduce") == 2

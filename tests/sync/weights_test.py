@@ -11,6 +11,11 @@ def settings(**kw):
   return settings_lib.SyncSettings(**{"mode": "ssaw", **kw})
 
 
+def test_every_round_is_a_full_step_by_default():
+  c = weights.combine([4, 4, 4], [0, 0, 1], 16, settings())
+  assert c.lr_scale == 1.0
+
+
 def test_a_full_fresh_round_is_the_global_batch_mean_at_full_rate():
   c = weights.combine([4, 4, 4, 4], [0, 0, 0, 0], 16, settings())
   np.testing.assert_array_equal(c.weights, [0.25] * 4)
@@ -18,7 +23,7 @@ def test_a_full_fresh_round_is_the_global_batch_mean_at_full_rate():
 
 
 def test_samples_weigh_and_staleness_discounts():
-  c = weights.combine([4, 8, 4], [0, 0, 1], 16, settings())
+  c = weights.combine([4, 8, 4], [0, 0, 1], 16, settings(lr_batch_power=0.5))
   w = np.array([4, 8, 4 / 2])                    # poly, power 1: a 1-stale gradient counts half
   np.testing.assert_allclose(c.weights, w / w.sum())
   assert c.lr_scale == pytest.approx(np.sqrt(w.sum() / 16))   # Adam's square-root rule
