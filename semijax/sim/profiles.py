@@ -13,10 +13,11 @@ dimensionless constants are the library's own counts where the CPU fits do not c
   links.pipe / data   NDR InfiniBand, 400 Gb/s = 50 GB/s per GPU, about 40 GB/s achieved; 20 us
   links.region        an inter-region link of 400 Gb/s per node, 6.25 GB/s per GPU; 5 ms latency
                       (an assumption: HarmonyTrain's regions, no public figure)
-  branch_overhead     `balance.cost.BRANCH_OVERHEAD` (1/3): the branched step recomputes the
-                      forward pass, a FLOP count, not a property of the CPU; the resized and
-                      offload steps are branched steps too (the CPU fits' larger values come
-                      from XLA:CPU's gathers and are not carried over)
+  branch_overhead     the library cost model's branched-step factor, `balance.cost.
+                      BRANCH_OVERHEAD` (0.05, measured here since the branches keep their padded
+                      GEMM outputs instead of recomputing the forward pass); the resized and
+                      offload steps are branched steps too (the CPU fits' larger values for them
+                      come from XLA:CPU's gathers and are not carried over)
   step_overhead_s     2 ms of launch and host work per step (an assumption)
   move_*              20 ms to launch a migration (an assumption); its local gathers at a quarter
                       of memory bandwidth; its all_to_all at half the NVLink all-reduce bandwidth
