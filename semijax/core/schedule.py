@@ -22,11 +22,11 @@ Two schedules (`SCHEDULES`), each with the fewest ticks its rules allow:
          (the last stage M - 1).
   1f1b   one-forward-one-backward: warm-up forwards, then a forward and a backward per tick
          where the stash allows, then cool-down backwards, with at most S - s microbatches in
-         flight on stage s (forward done, backward not, counted between ticks). Built greedily,
-         tick by tick: every stage runs its next backward as soon as its dependencies allow
-         and its next forward as soon as its input is there and the in-flight bound holds after
-         the tick. The greedy's tick count equals the fewest ticks the rules allow (the tests
-         check it against a breadth-first search over all schedules for small S and M).
+         flight on stage s (forward done, backward not, counted between ticks). Greedy: every
+         stage runs its next backward as soon as its dependencies allow and its next forward
+         as soon as its input is there and the in-flight bound holds after the tick. The
+         greedy's tick count equals the fewest ticks the rules allow (the tests check it
+         against a breadth-first search over all schedules for small S and M).
 
 In lockstep a tick lasts as long as its slowest stage, so 1f1b's bound costs time when S >= 3:
 stage s's microbatch needs 2 (S - 1 - s) ticks to come back, so stage 0 can start only
@@ -35,7 +35,10 @@ the choice when gpipe's stash of M microbatches does not fit.
 
 `step_time` is the time model of one step that the planner (`semijax.planner`) predicts and the
 emulation of slow devices and links sleeps: per tick, the slowest stage's compute plus the
-slowest of the tick's transfers. Everything here is host-side numpy.
+slowest of the tick's transfers. `stage_seconds`, `allreduce_s` and `send_s` give its inputs:
+what one microbatch costs a stage (a backward recomputes its forward, then does twice the
+forward's work), a ring all-reduce, and one transfer over a link. Everything here is host-side
+numpy.
 """
 
 from __future__ import annotations
@@ -70,41 +73,78 @@ def table(schedule: str, num_stages: int, num_microbatches: int) -> np.ndarray:
 
 
 def _gpipe(num_stages: int, num_microbatches: int) -> np.ndarray:
-  s_, m_ = num_stages, num_microbatches
-  out = np.full((2 * (s_ + m_) - 3, s_, 2), -1, np.int32)
-  for s in range(s_):
-    for m in range(m_):
-      out[s + m, s, 0] = m
-      out[(s_ + m_ - 2) + (m_ - 1 - m) + (s_ - 1 - s), s, 1] = m
-  return out
+  s, m = np.meshgrid(np.arange(num_stages), np.arange(num_microbatches), indexing="ij")
+  back = (num_stages + num_microbatches - 2) + (num_microbatches - 1 - m) + (num_stages - 1 - s)
+  return _fill(s + m, back)
 
 
 def _one_f_one_b(num_stages: int, num_microbatches: int) -> np.ndarray:
+  """1f1b's greedy, computed per microbatch: each forward and backward in the earliest tick the
+  rules and the in-flight bound allow (what the tick-by-tick greedy does, since every rule only
+  looks at earlier ticks):
+
+    F(s, m) = max(F(s-1, m) + 1, F(s, m-1) + 1, B(s, m - (S - s)))      (bound: S - s in flight)
+    B(s, m) = max(B(s+1, m) + 1, F(s, m) + 1, B(s, m-1) + 1)            (last stage: F(s, m))
+
+  Microbatch m's ticks depend on the S microbatches before it only, so once S consecutive
+  microbatches repeat those q before them shifted by P ticks, every later one does too: the
+  rest is filled in by that period.
+  """
   s_, m_ = num_stages, num_microbatches
-  f_tick = np.full((s_, m_), -1, np.int64)        # the tick of F(s, m), -1 before it runs
-  b_tick = np.full((s_, m_), -1, np.int64)
-  nf, nb = [0] * s_, [0] * s_                     # forwards / backwards done per stage
-  rows = []
-  t = 0
-  while min(nb) < m_:
-    row = np.full((s_, 2), -1, np.int32)
-    for s in range(s_):
-      bm, fm = nb[s], nf[s]
-      back = (bm < m_ and 0 <= f_tick[s, bm] < t
-              and (s == s_ - 1 or 0 <= b_tick[s + 1, bm] < t))
-      fwd = (fm < m_ and (s == 0 or 0 <= f_tick[s - 1, fm] < t)
-             and (fm + 1) - (bm + back) <= s_ - s)
-      if fwd:
-        f_tick[s, fm], row[s, 0] = t, fm
-        nf[s] += 1
-      if not back and fwd and s == s_ - 1 and bm == fm:
-        back = True                               # the loss's backward in its forward's tick
-      if back:
-        b_tick[s, bm], row[s, 1] = t, bm
-        nb[s] += 1
-    rows.append(row)
-    t += 1
-  return np.stack(rows)
+  f = np.zeros((s_, m_), np.int64)
+  b = np.zeros((s_, m_), np.int64)
+  stages = np.arange(s_)
+  bound = s_ - stages                            # in flight allowed on each stage
+  last = (stages == s_ - 1).astype(np.int64)
+  for m in range(m_):
+    # F(s, m) = max over s' <= s of (X(s') + s - s'), X the terms besides F(s-1, m) + 1.
+    x = np.zeros(s_, np.int64)
+    if m > 0:
+      x = f[:, m - 1] + 1
+    held = m - bound
+    ok = held >= 0
+    x[ok] = np.maximum(x[ok], b[ok, held[ok]])
+    f[:, m] = stages + np.maximum.accumulate(x - stages)
+    # B(s, m) = max over s' >= s of (Y(s') + s' - s).
+    y = f[:, m] + 1 - last
+    if m > 0:
+      y = np.maximum(y, b[:, m - 1] + 1)
+    b[:, m] = np.maximum.accumulate((y + stages)[::-1])[::-1] - stages
+    if m + 1 < m_ and m >= 2 * s_ and (m + 1) % s_ == 0:
+      period = _period(f[:, :m + 1], b[:, :m + 1], s_)
+      if period:
+        q, shift = period
+        j = np.arange(1, m_ - m)
+        src = m - q + 1 + (j - 1) % q
+        step = ((j - 1) // q + 1) * shift
+        f[:, m + 1:] = f[:, src] + step
+        b[:, m + 1:] = b[:, src] + step
+        break
+  return _fill(f, b)
+
+
+def _period(f: np.ndarray, b: np.ndarray, history: int):
+  """(q, P) if the last `history` microbatches' ticks are those q before them plus P."""
+  m = f.shape[1] - 1
+  rows = slice(m - history + 1, m + 1)
+  for q in range(1, history + 1):
+    shift = f[0, m] - f[0, m - q]
+    before = slice(m - history + 1 - q, m + 1 - q)
+    if (np.all(f[:, rows] - f[:, before] == shift)
+        and np.all(b[:, rows] - b[:, before] == shift)):
+      return q, int(shift)
+  return None
+
+
+def _fill(f_tick: np.ndarray, b_tick: np.ndarray) -> np.ndarray:
+  """int32 [T, S, 2] from the ticks [S, M] of every forward and backward."""
+  s_, m_ = f_tick.shape
+  out = np.full((int(b_tick.max()) + 1, s_, 2), -1, np.int32)
+  stage = np.broadcast_to(np.arange(s_)[:, None], (s_, m_))
+  micro = np.broadcast_to(np.arange(m_)[None, :], (s_, m_))
+  out[f_tick, stage, 0] = micro
+  out[b_tick, stage, 1] = micro
+  return out
 
 
 def _check_table(tab) -> np.ndarray:
@@ -175,3 +215,32 @@ def bubble(tab: np.ndarray, f_s, b_s) -> float:
   work = fwd * f_s + bwd * b_s                                     # [T, S]
   span = n * work.max(axis=1).sum()
   return 0.0 if span <= 0 else float(1.0 - work.sum() / span)
+
+
+def allreduce_s(nbytes: float, members: int, latency_s: float, bandwidth: float) -> float:
+  """Seconds of a ring all-reduce of `nbytes` (bytes per member) among `members` over links of
+  `latency_s` seconds and `bandwidth` bytes/s: 0 for one member, else
+  2 (N-1) latency + 2 (N-1)/N nbytes / bandwidth (N-1 reduce-scatter and N-1 all-gather rounds,
+  each sending nbytes / N)."""
+  n = int(members)
+  if n <= 1:
+    return 0.0
+  return 2.0 * (n - 1) * latency_s + 2.0 * (n - 1) / n * nbytes / bandwidth
+
+
+def send_s(nbytes: float, latency_s: float, bandwidth: float) -> float:
+  """Seconds of one transfer of `nbytes` over a link: latency + bytes / bandwidth."""
+  return latency_s + nbytes / bandwidth
+
+
+def stage_seconds(layers, layer_compute_s, layer_allreduce_s):
+  """(f, b): forward and backward seconds of one microbatch on a stage of `layers` layers.
+
+  A layer's forward is its compute (`layer_compute_s`: the slowest tensor device's share) and
+  two tensor all-reduces (`layer_allreduce_s` each: after attention and after the MLP). The
+  backward recomputes the forward (compute + 2 all-reduces) and then runs twice its work
+  (2 x compute + 2 all-reduces): f = layers (c + 2 a), b = layers (3 c + 4 a). Arrays broadcast.
+  """
+  layers = np.asarray(layers, np.float64)
+  c, a = np.asarray(layer_compute_s, np.float64), np.asarray(layer_allreduce_s, np.float64)
+  return layers * (c + 2.0 * a), layers * (3.0 * c + 4.0 * a)

@@ -49,6 +49,30 @@ def held_between_ticks(tab):
   return out
 
 
+def greedy_1f1b(s_, m_):
+  """1f1b tick by tick, as the engine's lockstep sees it: in every tick each stage runs its next
+  backward if its dependencies ran in earlier ticks (the last stage: also the forward of this
+  tick), and its next forward if its input arrived and at most S - s stay in flight."""
+  fwd, bwd = {}, {}
+  nf, nb, rows = [0] * s_, [0] * s_, []
+  while min(nb) < m_:
+    t, row = len(rows), np.full((s_, 2), -1)
+    for s in range(s_):
+      bm, fm = nb[s], nf[s]
+      back = (bm < m_ and fwd.get((s, bm), t) < t
+              and (s == s_ - 1 or bwd.get((s + 1, bm), t) < t))
+      go = (fm < m_ and (s == 0 or fwd.get((s - 1, fm), t) < t)
+            and (fm + 1) - (bm + back) <= s_ - s)
+      if go:
+        fwd[(s, fm)], row[s, 0], nf[s] = t, fm, fm + 1
+      if not back and go and s == s_ - 1 and bm == fm:
+        back = True
+      if back:
+        bwd[(s, bm)], row[s, 1], nb[s] = t, bm, bm + 1
+    rows.append(row)
+  return np.stack(rows)
+
+
 def fewest_ticks(s_, m_, bound):
   """Breadth-first search over every schedule (microbatches in order per stage) that keeps the
   rules and at most bound(s) in flight on stage s between ticks: the fewest ticks."""
@@ -177,6 +201,13 @@ def test_1f1b_has_the_fewest_ticks_its_rules_allow(s_, m_):
   assert len(tab) == fewest_ticks(s_, m_, lambda s: s_ - s)
 
 
+def test_1f1b_is_the_tick_by_tick_greedy():
+  # The library computes ticks per microbatch and repeats a detected period; long pipelines
+  # reach the period, short ones do not.
+  for s_, m_ in SIZES + [(2, 31), (3, 40), (4, 57), (5, 64), (7, 90)]:
+    np.testing.assert_array_equal(schedule.table("1f1b", s_, m_), greedy_1f1b(s_, m_))
+
+
 def test_fewest_ticks_search_can_tell_schedules_apart():
   # The search itself: without the stash bound the same rules allow 2S + M - 2 ticks, fewer
   # than 1f1b takes for S >= 3 and M > 2.
@@ -209,3 +240,13 @@ def test_bad_arguments_name_themselves():
     schedule.step_time(tab, [1.0, 1.0], [1.0, 1.0], [0.0], [-1.0])
   with pytest.raises(ValueError, match="table"):
     schedule.in_flight(np.zeros((3, 2)))
+
+
+def test_link_and_stage_formulas():
+  assert schedule.allreduce_s(100.0, 1, 1.0, 1.0) == 0.0
+  # 4 members: 6 latency rounds, each member sends 2 * 3/4 of the bytes.
+  assert schedule.allreduce_s(800.0, 4, 0.5, 100.0) == pytest.approx(6 * 0.5 + 1.5 * 8.0)
+  assert schedule.send_s(300.0, 0.25, 100.0) == pytest.approx(3.25)
+  f, b = schedule.stage_seconds([2, 3], [1.0, 2.0], [0.5, 0.0])
+  np.testing.assert_allclose(f, [2 * (1 + 1), 3 * 2])
+  np.testing.assert_allclose(b, [2 * (3 + 2), 3 * 6])
