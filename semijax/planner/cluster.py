@@ -1,0 +1,208 @@
+"""The devices a plan places work on: their speeds, memory, and the links between them.
+
+A `Cluster` of D devices holds per device a relative speed v_i (the nominal device, which runs
+`device_gflops`, has speed 1; conventionally the fastest) and its memory in bytes, and per pair of
+devices a link: latency L_ij (seconds) and bandwidth W_ij (bytes/s), symmetric (the diagonal is
+not used). Clusters are built per device pair, or from regions (`from_regions`: a region-level
+latency/bandwidth matrix, its diagonal the link inside a region, expanded to devices;
+`two_level`: one link inside every region, one between any two).
+
+`classes()` groups devices that are exactly interchangeable: swapping two of them leaves speeds,
+memory and every link unchanged, so no plan's predicted time changes. The planner searches over
+classes, not device ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from semijax import errors
+
+
+def _frozen(x: np.ndarray) -> np.ndarray:
+  x = np.array(x, np.float64)
+  x.flags.writeable = False
+  return x
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Cluster:
+  """D devices and their links (see module doc).
+
+  Attributes:
+    speeds: float [D] relative speed of each device (> 0).
+    memory: float [D] bytes each device can hold (> 0; inf for unbounded).
+    latency_s: float [D, D] link latency in seconds (>= 0, symmetric).
+    bandwidth: float [D, D] link bandwidth in bytes/s (> 0, symmetric; inf for a free link).
+    regions: int [D] the region of each device (for reports; 0 when built per pair).
+  """
+
+  speeds: np.ndarray
+  memory: np.ndarray
+  latency_s: np.ndarray
+  bandwidth: np.ndarray
+  regions: np.ndarray | None = None
+
+  def __post_init__(self):
+    speeds = _frozen(self.speeds)
+    n = speeds.size
+    if speeds.ndim != 1 or n < 1 or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
+      raise errors.ConfigError(f"cluster.speeds: need one positive finite speed per device, got "
+                               f"{np.asarray(self.speeds).tolist()}")
+    memory = np.broadcast_to(np.asarray(self.memory, np.float64), (n,))
+    if np.any(np.isnan(memory)) or np.any(memory <= 0):
+      raise errors.ConfigError(f"cluster.memory: need positive bytes per device, got "
+                               f"{memory.tolist()}")
+    for name, low in (("latency_s", 0.0), ("bandwidth", None)):
+      x = np.asarray(getattr(self, name), np.float64)
+      if x.shape != (n, n):
+        raise errors.ConfigError(f"cluster.{name}: need a [{n}, {n}] matrix, got shape {x.shape}")
+      off = x[~np.eye(n, dtype=bool)]
+      if np.any(np.isnan(off)) or (np.any(off < 0) if low is not None else np.any(off <= 0)):
+        raise errors.ConfigError(f"cluster.{name}: entries must be "
+                                 f"{'>= 0' if low is not None else '> 0'}, got {off.min()}")
+      if name == "latency_s" and not np.all(np.isfinite(off)):
+        raise errors.ConfigError("cluster.latency_s: entries must be finite")
+      if not np.array_equal(x, x.T):
+        raise errors.ConfigError(f"cluster.{name}: the matrix must be symmetric")
+      object.__setattr__(self, name, _frozen(x))
+    regions = np.zeros(n, np.int64) if self.regions is None else np.asarray(self.regions)
+    if regions.shape != (n,) or regions.dtype.kind not in "iu" or np.any(regions < 0):
+      raise errors.ConfigError(f"cluster.regions: need one region index >= 0 per device, got "
+                               f"{regions.tolist()}")
+    regions = regions.astype(np.int64)
+    regions.flags.writeable = False
+    object.__setattr__(self, "speeds", speeds)
+    object.__setattr__(self, "memory", _frozen(memory))
+    object.__setattr__(self, "regions", regions)
+    object.__setattr__(self, "_classes", self._find_classes())
+    object.__setattr__(self, "_class_links", self._find_class_links())
+
+  # --- builders -----------------------------------------------------------------------------
+
+  @classmethod
+  def from_regions(cls, region_speeds: Sequence[Sequence[float]], region_latency_s,
+                   region_bandwidth, memory=np.inf) -> "Cluster":
+    """Devices in regions, links from an R x R region matrix.
+
+    Args:
+      region_speeds: per region, the speeds of its devices (device ids run region by region).
+      region_latency_s, region_bandwidth: float [R, R]; entry [r, q] is the link between a
+        device of region r and one of region q; the diagonal is the link inside a region.
+      memory: bytes per device: a scalar, or per region a scalar or one value per device.
+    """
+    r_ = len(region_speeds)
+    if r_ < 1 or any(len(s) < 1 for s in region_speeds):
+      raise errors.ConfigError("cluster.region_speeds: need at least one region, each with a "
+                               "device")
+    regions = np.concatenate([np.full(len(s), r) for r, s in enumerate(region_speeds)])
+    speeds = np.concatenate([np.asarray(s, np.float64) for s in region_speeds])
+    for name, m in (("region_latency_s", region_latency_s), ("region_bandwidth",
+                                                               region_bandwidth)):
+      if np.shape(m) != (r_, r_):
+        raise errors.ConfigError(f"cluster.{name}: need a [{r_}, {r_}] matrix, got shape "
+                                 f"{np.shape(m)}")
+    if np.isscalar(memory) or (isinstance(memory, np.ndarray) and memory.ndim == 0):
+      mem = np.full(len(speeds), float(memory))
+    else:
+      if len(memory) != r_:
+        raise errors.ConfigError(f"cluster.memory: need a scalar or one entry per region "
+                                 f"({r_}), got {len(memory)}")
+      mem = np.concatenate([np.broadcast_to(np.asarray(m, np.float64), (len(s),))
+                            for m, s in zip(memory, region_speeds)])
+    lat = np.asarray(region_latency_s, np.float64)[np.ix_(regions, regions)]
+    bw = np.asarray(region_bandwidth, np.float64)[np.ix_(regions, regions)]
+    return cls(speeds, mem, lat, bw, regions)
+
+  @classmethod
+  def two_level(cls, region_speeds: Sequence[Sequence[float]], intra: tuple[float, float],
+                inter: tuple[float, float], memory=np.inf) -> "Cluster":
+    """Regions with one link (latency s, bandwidth bytes/s) inside each region (`intra`) and one
+    between any two regions (`inter`)."""
+    r_ = len(region_speeds)
+    eye = np.eye(r_, dtype=bool)
+    lat = np.where(eye, intra[0], inter[0])
+    bw = np.where(eye, intra[1], inter[1])
+    return cls.from_regions(region_speeds, lat, bw, memory)
+
+  def without_links(self) -> "Cluster":
+    """The same devices with free links (latency 0, infinite bandwidth): what a planner that
+    knows only device speeds sees."""
+    n = self.num_devices
+    return Cluster(self.speeds, self.memory, np.zeros((n, n)), np.full((n, n), np.inf),
+                   self.regions)
+
+  # --- queries ------------------------------------------------------------------------------
+
+  @property
+  def num_devices(self) -> int:
+    return int(self.speeds.size)
+
+  def classes(self) -> np.ndarray:
+    """int [D]: a class id per device; devices of one class are interchangeable (module doc).
+    Ids are numbered in order of first appearance."""
+    return self._classes
+
+  def _find_classes(self) -> np.ndarray:
+    n = self.num_devices
+    out = np.full(n, -1, np.int64)
+    reps: list[int] = []
+    for i in range(n):
+      for c, r in enumerate(reps):
+        if self._swappable(i, r):
+          out[i] = c
+          break
+      else:
+        out[i] = len(reps)
+        reps.append(i)
+    out.flags.writeable = False
+    return out
+
+  def class_links(self) -> tuple[np.ndarray, np.ndarray]:
+    """(latency_s, bandwidth) float [K, K] over the K classes: entry [a, b] is the link between
+    any device of class a and any other of class b. Interchangeable devices make it one link:
+    swapping two devices of a class leaves every link unchanged. Entries of a class with one
+    device to itself are (0, inf) and never used."""
+    return self._class_links
+
+  def _find_class_links(self):
+    classes = self._classes
+    k = int(classes.max()) + 1
+    members = [np.flatnonzero(classes == c) for c in range(k)]
+    lat, bw = np.zeros((k, k)), np.full((k, k), np.inf)
+    for a in range(k):
+      for b in range(k):
+        i = members[a][0]
+        j = members[b][1] if a == b and len(members[b]) > 1 else members[b][0]
+        if i != j:
+          lat[a, b], bw[a, b] = self.latency_s[i, j], self.bandwidth[i, j]
+    for x in (lat, bw):
+      x.flags.writeable = False
+    return lat, bw
+
+  def _swappable(self, i: int, j: int) -> bool:
+    if self.speeds[i] != self.speeds[j] or self.memory[i] != self.memory[j]:
+      return False
+    keep = np.ones(self.num_devices, bool)
+    keep[[i, j]] = False
+    return bool(np.array_equal(self.latency_s[i, keep], self.latency_s[j, keep])
+                and np.array_equal(self.bandwidth[i, keep], self.bandwidth[j, keep]))
+
+  def group_link(self, devices) -> tuple[float, float]:
+    """(latency, bandwidth) of the slowest link among `devices`: the largest latency and the
+    smallest bandwidth over their pairs ((0, inf) for one device)."""
+    d = np.asarray(devices, np.int64)
+    if d.size < 2:
+      return 0.0, np.inf
+    lat = self.latency_s[np.ix_(d, d)]
+    bw = self.bandwidth[np.ix_(d, d)]
+    off = ~np.eye(d.size, dtype=bool)
+    return float(lat[off].max()), float(bw[off].min())
+
+  def to_dict(self) -> dict:
+    return {"speeds": self.speeds.tolist(), "memory": self.memory.tolist(),
+            "regions": self.regions.tolist(), "latency_s": self.latency_s.tolist(),
+            "bandwidth": self.bandwidth.tolist()}

@@ -1,0 +1,111 @@
+"""What the planner needs to know of a model: FLOPs and parameters per unit, layer and edge.
+
+Built from the model's `core.spec.ModelSpec` and the nominal device rate `device_gflops` (GFLOP/s
+of a device at speed 1, the rate the emulation assumes). Per unit kind k ("mlp": an MLP hidden
+unit, "heads": an attention head):
+
+  unit_ms[k] = flops_per_unit[k] * tokens / (device_gflops * 1e9) * 1e3
+
+is the forward milliseconds of one unit of one layer for a microbatch of `tokens` tokens at
+speed 1 (`ModelSpec.flops_per_unit`: the unit's GEMMs and, for heads, the products over the
+sequence). Parameter counts follow `semijax.models` (float32, 4 bytes each):
+
+  unit_params   mlp: a column of w1, its bias, a row of w2 (2 d + 1);
+                heads: head_dim columns of wq, wk, wv, their biases, head_dim rows of wo
+                (4 d hd + 3 hd);
+  layer_params  what every tensor device of a stage holds per layer: two LayerNorms (scale and
+                bias) and the two output biases (6 d);
+  first_params  the embedding on the first stage (replicated over tensor): GPT token and
+                position embeddings ((vocab + seq_len) d); ViT patch projection, class token and
+                positions ((p^2 C + 1) d + d + (patches + 1) d);
+  last_params   the final LayerNorm and the head on the last stage: GPT 2 d + d vocab (the head
+                has no bias and is not tied to the embedding), ViT 2 d + d classes + classes.
+
+The embedding and head cost parameters (memory, the data-parallel all-reduce) but no compute in
+the time model: stages are timed by their layers alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from semijax.core import spec as spec_lib
+
+BYTES = 4        # float32 parameters, gradients, moments and activations
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCosts:
+  """A model's costs (see module doc).
+
+  Attributes:
+    num_layers: L; d_model; seq_len: tokens per example the blocks see.
+    num_units: {kind: U}; flops_per_unit: {kind: forward FLOPs per token of one unit}.
+    unit_params: {kind: parameters of one unit in one layer}.
+    layer_params, first_params, last_params: parameters every device of a stage holds per
+      layer, on the first stage, on the last stage.
+    device_gflops: GFLOP/s of a device at speed 1.
+  """
+
+  num_layers: int
+  d_model: int
+  seq_len: int
+  num_units: dict
+  flops_per_unit: dict
+  unit_params: dict
+  layer_params: int
+  first_params: int
+  last_params: int
+  device_gflops: float
+
+  def __post_init__(self):
+    if not self.device_gflops > 0:
+      raise ValueError(f"device_gflops: must be positive, got {self.device_gflops}")
+    for name in ("num_layers", "d_model", "seq_len"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+  @classmethod
+  def from_spec(cls, spec: spec_lib.ModelSpec, device_gflops: float) -> "ModelCosts":
+    """The costs of a `semijax.models` model ("gpt" or "vit")."""
+    d, hd, f = spec.d_model, spec.head_dim, spec.kwargs
+    if spec.name == "gpt":
+      first = (f["vocab_size"] + spec.seq_len) * d
+      last = 2 * d + d * f["vocab_size"]
+    elif spec.name == "vit":
+      patch_in = f["patch_size"] ** 2 * f["channels"]
+      first = (patch_in + 1) * d + d + spec.seq_len * d
+      last = 2 * d + d * f["num_classes"] + f["num_classes"]
+    else:
+      raise ValueError(f"spec.name: the planner knows the parameters of 'gpt' and 'vit', got "
+                       f"{spec.name!r}")
+    return cls(num_layers=spec.num_layers, d_model=d, seq_len=spec.seq_len,
+               num_units=dict(spec.num_units()), flops_per_unit=dict(spec.flops_per_unit()),
+               unit_params={"mlp": 2 * d + 1, "heads": 4 * d * hd + 3 * hd},
+               layer_params=6 * d, first_params=first, last_params=last,
+               device_gflops=float(device_gflops))
+
+  @property
+  def kinds(self) -> tuple[str, ...]:
+    return tuple(self.num_units)
+
+  def unit_ms(self, tokens: int) -> dict:
+    """{kind: forward milliseconds of one unit of one layer for `tokens` tokens at speed 1}."""
+    return {k: f * tokens / (self.device_gflops * 1e9) * 1e3
+            for k, f in self.flops_per_unit.items()}
+
+  def unit_s(self, tokens: int) -> dict:
+    """`unit_ms` in seconds."""
+    return {k: v * 1e-3 for k, v in self.unit_ms(tokens).items()}
+
+  def activation_bytes(self, tokens: int) -> float:
+    """Bytes of one microbatch's activations at a layer boundary: tokens x d_model float32 (what
+    a tensor all-reduce and a stage boundary carry, and what a stage stashes per microbatch)."""
+    return float(tokens * self.d_model * BYTES)
+
+  def max_tensor(self) -> int:
+    """The largest tensor group: every device needs at least one unit of every kind."""
+    return min(self.num_units.values())
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)

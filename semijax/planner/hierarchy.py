@@ -1,0 +1,167 @@
+"""The planner's search for clusters too large to enumerate: placements built from regions and
+device classes, layer partitions improved by local search.
+
+For every (data, pipe, tensor) the devices are laid out along a path through the regions (the
+order of regions whose consecutive links are fastest, exhaustively for up to 7 regions), each
+region's devices fastest first, and cut into mesh positions in two ways:
+
+  striped   pipelines are dealt like cards: pipeline d takes devices d, d + R, d + 2R, ... of
+            the path, so every pipeline holds the same mix of classes and position (p, t) holds
+            near-identical devices in every pipeline (the shared unit split wastes nothing,
+            and each data-parallel ring stays inside one class and region); pipelines cross
+            regions at stage boundaries, which carry activations only.
+  blocked   pipeline d takes the path's d-th block of pipe x tensor devices, so pipelines stay
+            inside regions and the data-parallel rings cross them.
+
+In both, a pipeline's devices are cut in path order into stages of `tensor` consecutive devices
+(tensor groups inside a region wherever the counts allow: the fastest links carry the most
+frequent traffic); each layout is also tried with its stage order reversed. The layer
+partition starts from the min-max partition for the slowest replica of each stage
+(`split.minmax_layers`) and from the even one; the best few candidates over every mesh,
+layout, microbatch size, schedule and sync mode are then improved by moving one layer at a time
+between stages while the predicted step falls. Units and microbatch splits follow the planner's
+exact rules. Nothing here is exhaustive: on clusters small enough, `exact.search` improves on
+it (seeded with its result).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from semijax.planner import cluster as cluster_lib
+from semijax.planner import evaluate
+from semijax.planner import request as request_lib
+from semijax.planner import split as split_lib
+
+# Regions up to this many are ordered along the path exhaustively, more greedily.
+EXHAUSTIVE_REGIONS = 7
+# How many of the best starting candidates get the layer local search.
+REFINED = 6
+# Rounds of the layer local search (each moves one layer).
+MAX_MOVES = 64
+
+
+def region_path(cluster: cluster_lib.Cluster, nbytes: float) -> list[int]:
+  """The regions in the order whose consecutive links move `nbytes` fastest in total."""
+  regions = sorted(set(cluster.regions.tolist()))
+  if len(regions) == 1:
+    return regions
+  rep = {r: int(np.flatnonzero(cluster.regions == r)[0]) for r in regions}
+  cost = {(a, b): cluster.latency_s[rep[a], rep[b]] + nbytes / cluster.bandwidth[rep[a], rep[b]]
+          for a in regions for b in regions if a != b}
+
+  def length(path):
+    return sum(cost[(a, b)] for a, b in zip(path, path[1:]))
+
+  if len(regions) <= EXHAUSTIVE_REGIONS:
+    return list(min(itertools.permutations(regions), key=length))
+  paths = []
+  for first in regions:
+    path, left = [first], set(regions) - {first}
+    while left:
+      path.append(min(left, key=lambda b: cost[(path[-1], b)]))
+      left.remove(path[-1])
+    paths.append(path)
+  return min(paths, key=length)
+
+
+def device_path(cluster: cluster_lib.Cluster, nbytes: float) -> np.ndarray:
+  """int [D]: devices region by region along `region_path`, each region's fastest first."""
+  out = []
+  for r in region_path(cluster, nbytes):
+    ids = np.flatnonzero(cluster.regions == r)
+    key = np.lexsort((ids, cluster.classes()[ids], -cluster.memory[ids], -cluster.speeds[ids]))
+    out.append(ids[key])
+  return np.concatenate(out)
+
+
+def layouts(path: np.ndarray, shape) -> list[np.ndarray]:
+  """The grids [R, S, N] of the module doc (striped, blocked, each also reversed), distinct."""
+  r_, s_, n_ = shape
+  striped = path.reshape(s_ * n_, r_).T.reshape(r_, s_, n_)
+  blocked = path.reshape(r_, s_, n_)
+  out = []
+  for g in (striped, blocked, striped[:, ::-1], blocked[:, ::-1]):
+    if not any(np.array_equal(g, h) for h in out):
+      out.append(np.ascontiguousarray(g))
+  return out
+
+
+def starting_layers(gc: evaluate.GridCosts, num_layers: int) -> np.ndarray:
+  """int [P, S]: the min-max partition for each stage's slowest replica, and the even one."""
+  s_ = gc.grid.shape[1]
+  w = (4.0 * gc.compute_s + 6.0 * gc.allreduce_s).max(axis=0)
+  rows = [split_lib.even_layers(num_layers, s_)]
+  if np.all(w > 0):
+    rows.insert(0, split_lib.minmax_layers(num_layers, w))
+  return np.unique(np.asarray(rows, np.int64), axis=0)
+
+
+def neighbours(layers: np.ndarray) -> np.ndarray:
+  """int [P, S]: the partitions one layer away (one stage gives a layer to another)."""
+  s_ = len(layers)
+  out = []
+  for i, j in itertools.permutations(range(s_), 2):
+    if layers[i] > 1:
+      x = layers.copy()
+      x[i] -= 1
+      x[j] += 1
+      out.append(x)
+  return np.asarray(out, np.int64).reshape(-1, s_)
+
+
+def improve(gc: evaluate.GridCosts, req: request_lib.Request, cand: request_lib.Candidate):
+  """`cand` after moving one layer at a time while the predicted step falls."""
+  m_ = req.global_batch // cand.microbatch_size
+  layers, value = np.asarray(cand.layers, np.int64), cand.value
+  for _ in range(MAX_MOVES):
+    near = neighbours(layers)
+    if not len(near):
+      break
+    values = evaluate.assess(gc, req.costs, near, cand.schedule, m_, cand.sync)
+    i = int(np.argmin(values))
+    if not values[i] < value:
+      break
+    layers, value = near[i], float(values[i])
+  return request_lib.Candidate(value, cand.grid, tuple(int(x) for x in layers),
+                               cand.microbatch_size, cand.schedule, cand.sync)
+
+
+def search(req: request_lib.Request) -> request_lib.Candidate | None:
+  """The best candidate of the module doc's search (None if no plan fits in memory).
+
+  Every (mesh, layout, microbatch size, sync mode) is bounded first (`evaluate.lower_bound`)
+  and priced in order of its bound, until the bound reaches the `REFINED`-th best start."""
+  path = device_path(req.cluster, req.costs.activation_bytes(req.tokens(
+      req.microbatch_sizes[0])))
+  entries = []
+  for shape in req.factorizations():
+    for grid in layouts(path, shape):
+      for mb in req.microbatch_sizes:
+        m_ = req.global_batch // mb
+        if m_ < shape[0]:
+          continue
+        gc = evaluate.GridCosts.of(grid, req.costs, req.cluster, req.tokens(mb))
+        for sync in req.syncs:
+          bound = evaluate.lower_bound(gc, req.costs, m_, sync == "sync")
+          entries.append((bound, len(entries), gc, mb, sync))
+  entries.sort(key=lambda x: x[:2])
+  starts = []
+  for bound, _, gc, mb, sync in entries:
+    if len(starts) >= REFINED and bound >= starts[REFINED - 1][0]:
+      break
+    m_ = req.global_batch // mb
+    parts = starting_layers(gc, req.costs.num_layers)
+    for sched in req.schedules:
+      values = evaluate.assess(gc, req.costs, parts, sched, m_, sync)
+      i = int(np.argmin(values))
+      if np.isfinite(values[i]):
+        starts.append((float(values[i]), len(starts) + len(entries), gc, request_lib.Candidate(
+            float(values[i]), gc.grid, tuple(int(x) for x in parts[i]), mb, sched, sync)))
+        starts.sort(key=lambda x: x[:2])
+  best = None
+  for _, _, gc, cand in starts[:REFINED]:
+    best = request_lib.better(best, improve(gc, req, cand) if gc.grid.shape[1] > 1 else cand)
+  return best
