@@ -35,6 +35,8 @@ import numpy as np
 from semijax import errors
 
 KINDS = ("mlp", "heads")
+# The kind of a pipelined state's layer axis: each pipeline stage owns a run of layers.
+LAYERS = "layers"
 DEFAULT_NUM_WIDTHS = 4
 
 
@@ -135,8 +137,8 @@ class UnitLayout:
 
   def __post_init__(self):
     f = f"layout.{self.kind}"
-    if self.kind not in KINDS:
-      raise LayoutError(f"layout kind must be one of {KINDS}, got {self.kind!r}")
+    if self.kind not in KINDS + (LAYERS,):
+      raise LayoutError(f"layout kind must be one of {KINDS + (LAYERS,)}, got {self.kind!r}")
     if self.num_units < 1:
       raise LayoutError(f"{f}: the model has {self.num_units} units; need at least 1")
     n = len(self.owned)

@@ -1,7 +1,10 @@
-"""The device mesh: a `data` axis (batch parallelism) beside a `tensor` axis (uneven TP).
+"""The device mesh: a `data` axis (batch parallelism) beside a `tensor` axis (uneven TP), and,
+for pipelined runs, a `pipe` axis (stages) between them.
 
 Axes are ordered by communication intensity: `tensor` (several all-reduces per layer) is the
-inner, fastest-varying axis, so a tensor group sits on neighbouring devices (one host).
+inner, fastest-varying axis, so a tensor group sits on neighbouring devices (one host); stage
+boundaries (`pipe`) carry activations only; `data` replicas all-reduce gradients once a step.
+Runs without a pipeline use the (data, tensor) mesh; pipelined ones (data, pipe, tensor).
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import jax
 import numpy as np
 
 DATA = "data"
+PIPE = "pipe"
 TENSOR = "tensor"
 AXES = (DATA, TENSOR)
+PIPELINE_AXES = (DATA, PIPE, TENSOR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,12 +27,16 @@ class MeshSpec:
 
   data: int = 1
   tensor: int = 1
+  pipe: int = 1
 
   @property
   def size(self) -> int:
-    return self.data * self.tensor
+    return self.data * self.pipe * self.tensor
 
   def make(self, devices=None) -> jax.sharding.Mesh:
+    """The (data, tensor) mesh, or the (data, pipe, tensor) one when `pipe` > 1."""
+    if self.pipe > 1:
+      return make_pipeline_mesh(self.data, self.pipe, self.tensor, devices)
     return make_mesh(self.data, self.tensor, devices)
 
 
@@ -53,6 +62,26 @@ def make_mesh(data: int, tensor: int, devices=None) -> jax.sharding.Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+def make_pipeline_mesh(data: int, pipe: int, tensor: int, devices=None) -> jax.sharding.Mesh:
+  """A (data, pipe, tensor) mesh over the first data*pipe*tensor of `devices` (default: all),
+  in order: mesh position (d, p, t) is device d*pipe*tensor + p*tensor + t of the list.
+
+  Raises:
+    ValueError: naming `mesh.data` / `mesh.pipe` / `mesh.tensor` if a size is not a positive
+      integer or there are not enough devices.
+  """
+  for name, size in ((DATA, data), (PIPE, pipe), (TENSOR, tensor)):
+    if not isinstance(size, (int, np.integer)) or size < 1:
+      raise ValueError(f"mesh.{name}: must be a positive integer, got {size!r}")
+  devices = jax.devices() if devices is None else list(devices)
+  if data * pipe * tensor > len(devices):
+    raise ValueError(f"mesh.data * mesh.pipe * mesh.tensor = {data} * {pipe} * {tensor} devices, "
+                     f"but only {len(devices)} are available")
+  grid = np.asarray(devices[: data * pipe * tensor], dtype=object).reshape(data, pipe, tensor)
+  return jax.sharding.Mesh(grid, PIPELINE_AXES,
+                           axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
 def batch_feed(mesh: jax.sharding.Mesh) -> tuple[int, int]:
   """(i, n): this process feeds row block i of n equal blocks of every global batch.
 
@@ -63,7 +92,7 @@ def batch_feed(mesh: jax.sharding.Mesh) -> tuple[int, int]:
   Raises:
     ValueError: if the processes' data indices do not split the `data` axis into equal blocks.
   """
-  devices = np.asarray(mesh.devices)
+  devices = np.asarray(mesh.devices)      # [data, (pipe,) tensor]
   rows = {}
   for r in range(devices.shape[0]):
     for d in devices[r].reshape(-1):

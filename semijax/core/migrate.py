@@ -67,7 +67,7 @@ class KindMoves:
   """The moves of one unit kind from layout A to layout B (host arrays, global).
 
   Attributes:
-    kind: "mlp" or "heads".
+    kind: "mlp", "heads" or "layers" (a pipelined state's layers, over `pipe`).
     capacity_from, capacity_to: C_A and C_B.
     chunk: K, slots per (source, destination) device pair in the exchange.
     send: int32 [N, N*K]: row d, entry t*K + k is device d's local slot (under A) of the k-th
@@ -77,6 +77,8 @@ class KindMoves:
     place: int32 [N, N*K]: the slot under B of the unit received at entry s*K + k (from device
       s); C_B means nothing (dropped).
     pairs: int32 [N, N]: units moved from device d to device t (zero diagonal).
+    With `plan_stages`, every array has a leading dimension of pipeline stages ([P, N, ...]):
+    each stage's tensor group moves its own units.
   """
 
   kind: str
@@ -95,13 +97,18 @@ class KindMoves:
 
   @property
   def num_devices(self) -> int:
-    return self.pairs.shape[0]
+    return self.pairs.shape[-1]
+
+  @property
+  def groups(self) -> int:
+    """How many device groups exchange independently (pipeline stages; 1 without)."""
+    return int(np.prod(self.pairs.shape[:-2], dtype=np.int64))
 
   @property
   def wire_slots(self) -> int:
-    """Unit slots the exchange carries between distinct devices: N*(N-1)*K."""
+    """Unit slots the exchange carries between distinct devices: N*(N-1)*K per group."""
     n = self.num_devices
-    return n * (n - 1) * self.chunk
+    return self.groups * n * (n - 1) * self.chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +229,45 @@ def plan(src: layout_lib.Layout, dst: layout_lib.Layout, *, chunk=None,
   return Moves(src, dst, kinds)
 
 
+def plan_stages(srcs, dsts, *, chunk="sized") -> Moves:
+  """The moves of every pipeline stage's own unit layout, stage s from `srcs[s]` to `dsts[s]`.
+
+  One `Moves` whose index arrays have a leading stage dimension ([P, N, ...], placed over
+  (pipe, tensor)): each stage's tensor group exchanges its own units, all with the chunk the
+  busiest stage needs (so one program serves them). `src` and `dst` are stage 0's layouts.
+
+  Raises:
+    LayoutError: stages whose layouts differ in capacities (`plan` names the rest).
+  """
+  if len(srcs) != len(dsts) or not srcs:
+    raise LayoutError(f"layout.stages: {len(srcs)} source and {len(dsts)} target stage layouts")
+  per = [plan(a, b, chunk=chunk) for a, b in zip(srcs, dsts)]
+  capacities = {tuple((k, v.capacity_from, v.capacity_to) for k, v in m.kinds.items())
+                for m in per}
+  if len(capacities) != 1:
+    raise LayoutError("layout.stages: every stage's layouts must share their capacities")
+  chunks = {k: max(m.kinds[k].chunk for m in per) for k in per[0].kinds}
+  per = [plan(a, b, chunk=chunks) for a, b in zip(srcs, dsts)]
+  kinds = {k: KindMoves(k, m.capacity_from, m.capacity_to, m.chunk,
+                        *(np.stack([getattr(q.kinds[k], f) for q in per])
+                          for f in ("send", "keep", "place", "pairs")))
+           for k, m in per[0].kinds.items()}
+  return Moves(srcs[0], dsts[0], kinds)
+
+
+def plan_layers(src: layout_lib.UnitLayout, dst: layout_lib.UnitLayout, *,
+                chunk="sized") -> Moves:
+  """The moves of a pipelined state's layers between stages (kind "layers", over `pipe`): rows
+  of the stacked layer axis change stage, with all their units as they are."""
+  for u in (src, dst):
+    if u.kind != layout_lib.LAYERS:
+      raise LayoutError(f"layout.layers: expected a {layout_lib.LAYERS!r} layout, got {u.kind!r}")
+  if src.num_devices != dst.num_devices or src.num_units != dst.num_units:
+    raise LayoutError(f"layout.layers: {src.num_units} layers on {src.num_devices} stages cannot "
+                      f"become {dst.num_units} on {dst.num_devices}")
+  return Moves(src, dst, {layout_lib.LAYERS: _kind_moves(src, dst, chunk)})
+
+
 def move_units(layout: layout_lib.Layout, moves: dict, *,
                capacities: dict | None = None) -> layout_lib.Layout:
   """A new layout in which the given units change owner; every unit becomes active.
@@ -274,25 +320,32 @@ def move_units(layout: layout_lib.Layout, moves: dict, *,
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class MovePlan:
-  """Device-placed index arrays of a `Moves`: {kind: int32 [N, ...]} split over `tensor`."""
+  """Device-placed index arrays of a `Moves`: {kind: int32 [N, ...]} split over the kind's mesh
+  axis (`AXIS_OF`), or [P, N, ...] split over (pipe, tensor) when every pipeline stage moves its
+  own units (`stack_stages`)."""
 
   send: dict
   keep: dict
   place: dict
 
 
-def _unit_leaves(axes):
-  """[(index into leaves, axis, kind)] for every leaf with a unit axis."""
+# The mesh axis each kind's units are split over: tensor-parallel units over `tensor`, a
+# pipelined state's layers (`layout.LAYERS`) over `pipe`.
+AXIS_OF = {"mlp": mesh_lib.TENSOR, "heads": mesh_lib.TENSOR, layout_lib.LAYERS: mesh_lib.PIPE}
+
+
+def _unit_leaves(axes, kinds=layout_lib.KINDS):
+  """[(index into leaves, axis, kind)] for every leaf with a unit axis of one of `kinds`."""
   out = []
   for i, a in enumerate(jax.tree.leaves(axes)):
-    if (unit := a.unit()) is not None:
+    if (unit := a.unit(tuple(kinds))) is not None:
       out.append((i, *unit))
   return out
 
 
-def _kinds(axes) -> set:
-  """The unit kinds of the leaves of an `Axes` tree."""
-  return {kind for _, _, kind in _unit_leaves(axes)}
+def _kinds(axes, kinds=layout_lib.KINDS) -> set:
+  """The unit kinds (among `kinds`) of the leaves of an `Axes` tree."""
+  return {kind for _, _, kind in _unit_leaves(axes, kinds)}
 
 
 def _elements(slots, unit_size):
@@ -309,7 +362,8 @@ def _local_migrate(leaves, plan: MovePlan, *, units, unit_sizes, key):
 
   Args:
     leaves: local arrays; a unit leaf has C_A*unit_size entries on its unit axis.
-    plan: local index arrays: send [1, N*K], keep [1, C_B], place [1, N*K] per kind.
+    plan: local index arrays per kind (this device's row, with leading singleton dimensions):
+      send [N*K], keep [C_B], place [N*K] (N: devices on the kind's axis).
     units: [(leaf index, unit axis, kind)] (static).
     key: ((kind, C_A, C_B, K), ...) (static).
 
@@ -322,8 +376,8 @@ def _local_migrate(leaves, plan: MovePlan, *, units, unit_sizes, key):
     u = unit_sizes.get(kind)
     members = [(i, axis) for i, axis, k in units if k == kind]
     for i, axis in members:           # staying units into their new slots, zeros elsewhere
-      out[i] = jnp.take(leaves[i], _elements(plan.keep[kind][0], u), axis=axis, mode="fill",
-                        fill_value=0)
+      out[i] = jnp.take(leaves[i], _elements(plan.keep[kind].reshape(-1), u), axis=axis,
+                        mode="fill", fill_value=0)
     if not chunk or not members:
       continue
     # Group the kind's leaves by dtype; each group exchanges its units in N-1 rounds of ppermute,
@@ -332,14 +386,14 @@ def _local_migrate(leaves, plan: MovePlan, *, units, unit_sizes, key):
     groups: dict = {}
     for i, axis in members:
       groups.setdefault(jnp.dtype(leaves[i].dtype), []).append((i, axis))
-    n = plan.send[kind].shape[1] // chunk
-    me = jax.lax.axis_index(mesh_lib.TENSOR)
+    send_row, place_row = plan.send[kind].reshape(-1), plan.place[kind].reshape(-1)
+    n = send_row.shape[0] // chunk
+    axis_name = AXIS_OF[kind]
+    me = jax.lax.axis_index(axis_name)
     for group in groups.values():
       for r in range(1, n):
-        send = _elements(jax.lax.dynamic_slice(plan.send[kind][0], ((me + r) % n * chunk,),
-                                               (chunk,)), u)
-        place = _elements(jax.lax.dynamic_slice(plan.place[kind][0], ((me - r) % n * chunk,),
-                                                (chunk,)), u)
+        send = _elements(jax.lax.dynamic_slice(send_row, ((me + r) % n * chunk,), (chunk,)), u)
+        place = _elements(jax.lax.dynamic_slice(place_row, ((me - r) % n * chunk,), (chunk,)), u)
         parts = []
         for i, axis in group:           # [.., K*u, ..] -> [K, u * rest]
           x = jnp.take(leaves[i], send, axis=axis, mode="fill", fill_value=0)
@@ -351,7 +405,7 @@ def _local_migrate(leaves, plan: MovePlan, *, units, unit_sizes, key):
           # ones in any order per device, and a rendezvous then waits forever), and one round's
           # buffers should be gone before the next: chain them.
           buf, _ = jax.lax.optimization_barrier((buf, last))
-        recv = last = jax.lax.ppermute(buf, mesh_lib.TENSOR,
+        recv = last = jax.lax.ppermute(buf, axis_name,
                                        perm=[(d, (d + r) % n) for d in range(n)])  # [K, F]
         offsets = np.cumsum([0] + [p.shape[1] for _, p in parts])
         for (i, axis), (shape, _), lo, hi in zip(group, parts, offsets[:-1], offsets[1:]):
@@ -384,34 +438,37 @@ class Migrator:
     return cls(engine.mesh, engine.unit_sizes, **kw)
 
   def device_plan(self, moves: Moves, kinds=None) -> MovePlan:
-    """The index arrays of `moves` (of `kinds`, default all), placed on the mesh (split over
-    `tensor`)."""
-    shard = NamedSharding(self.mesh, P(mesh_lib.TENSOR))
-    put = lambda x: jax.device_put(x, shard)
-    return MovePlan(*({k: put(getattr(m, f)) for k, m in moves.kinds.items()
+    """The index arrays of `moves` (of `kinds`, default all), placed on the mesh: split over the
+    kind's axis, or over (pipe, tensor) for per-stage arrays."""
+    def put(kind, x):
+      spec = P(mesh_lib.PIPE, mesh_lib.TENSOR) if x.ndim == 3 else P(AXIS_OF[kind])
+      return jax.device_put(x, NamedSharding(self.mesh, spec))
+    return MovePlan(*({k: put(k, getattr(m, f)) for k, m in moves.kinds.items()
                        if kinds is None or k in kinds} for f in ("send", "keep", "place")))
 
   def check(self, tree, axes, moves: Moves) -> None:
     """Raises LayoutError unless `tree` is a padded tree of `moves.src` on this mesh."""
-    n = self.mesh.shape[mesh_lib.TENSOR]
-    if moves.src.num_devices != n:
-      raise LayoutError(f"layout: {moves.src.num_devices} devices, but mesh.tensor = {n}")
+    for kind, m in moves.kinds.items():
+      n = self.mesh.shape[AXIS_OF[kind]]
+      if m.num_devices != n:
+        raise LayoutError(f"layout: {m.num_devices} devices, but mesh.{AXIS_OF[kind]} = {n}")
     if jax.tree.structure(axes) != jax.tree.structure(tree):
       raise LayoutError("migration.axes: the axes tree does not match the tree's structure")
     paths = jax.tree_util.tree_leaves_with_path(tree)
-    for i, axis, kind in _unit_leaves(axes):
+    for i, axis, kind in _unit_leaves(axes, moves.kinds):
       path, x = paths[i]
-      if kind not in self.unit_sizes:
+      size = self.unit_sizes.get(kind, 1 if kind == layout_lib.LAYERS else None)
+      if size is None:
         raise LayoutError(f"migration.unit_sizes: no unit size for kind {kind!r}")
-      want = n * moves.kinds[kind].capacity_from * self.unit_sizes[kind]
+      want = moves.kinds[kind].num_devices * moves.kinds[kind].capacity_from * size
       if x.shape[axis] != want:
         raise LayoutError(
             f"migration.tree{jax.tree_util.keystr(path)}: unit axis {axis} has {x.shape[axis]} "
             f"entries, but the current layout's padded {kind} axis has N*C*unit = {want}")
 
   def _compiled_fn(self, tree, axes, moves: Moves, device_plan: MovePlan, donate: bool):
-    units = _unit_leaves(axes)
-    moves_key = moves.key(_kinds(axes))
+    units = _unit_leaves(axes, moves.kinds)
+    moves_key = moves.key(_kinds(axes, moves.kinds))
     key = (moves_key, jax.tree.structure(tree), _signature(tree), tuple(jax.tree.leaves(axes)),
            donate)
     fn = self._compiled.get(key)
@@ -419,9 +476,9 @@ class Migrator:
       return fn
     leaf_specs = [a.spec() for a in jax.tree.leaves(axes)]
     treedef = jax.tree.structure(tree)
-    plan_specs = jax.tree.map(lambda _: P(mesh_lib.TENSOR), device_plan)
-    local = functools.partial(_local_migrate, units=units, unit_sizes=self.unit_sizes,
-                              key=moves_key)
+    plan_specs = jax.tree.map(lambda x: x.sharding.spec, device_plan)
+    local = functools.partial(_local_migrate, units=units,
+                              unit_sizes={layout_lib.LAYERS: 1, **self.unit_sizes}, key=moves_key)
     body = jax.shard_map(local, mesh=self.mesh, in_specs=(leaf_specs, plan_specs),
                          out_specs=leaf_specs)
 
@@ -443,7 +500,8 @@ class Migrator:
     the compiled executable (e.g. to read its program with `.as_text()`)."""
     self.check(tree, axes, moves)
     donate = self.donate if donate is None else donate
-    return self._compiled_fn(tree, axes, moves, self.device_plan(moves, _kinds(axes)), donate)
+    return self._compiled_fn(tree, axes, moves,
+                             self.device_plan(moves, _kinds(axes, moves.kinds)), donate)
 
   def __call__(self, tree, axes, moves: Moves, *, donate: bool | None = None):
     """Moves a padded tree from layout `moves.src` to `moves.dst`.
@@ -460,7 +518,7 @@ class Migrator:
     """
     self.check(tree, axes, moves)
     donate = self.donate if donate is None else donate
-    device_plan = self.device_plan(moves, _kinds(axes))
+    device_plan = self.device_plan(moves, _kinds(axes, moves.kinds))
     fn = self._compiled_fn(tree, axes, moves, device_plan, donate)
     memory.observe(fn)
     return fn(tree, device_plan)
@@ -510,15 +568,18 @@ class Migrator:
     return self(state, state_axes(state, tx, axes), moves)
 
 
-def leaf_groups(tree, axes) -> list[list[int]]:
+def leaf_groups(tree, axes, kinds=layout_lib.KINDS, *, by_leaf: bool = False) -> list[list[int]]:
   """Leaf indices of `tree`'s unit leaves grouped by (sub-tree, transformer block, unit kind),
   in order: one block's MLP (or attention) weights move together, then their first Adam moments,
   then their second ones. The groups of every block and sub-tree have the same shapes, so they
   share one compiled program per kind. Leaves outside the blocks (none carry units in the models
-  here) group by sub-tree and kind."""
+  here) group by sub-tree and kind. `by_leaf`: one group per leaf (a pipelined state's stacked
+  leaves, which hold every layer of a stage)."""
+  if by_leaf:
+    return [[i] for i, _, _ in _unit_leaves(axes, kinds)]
   groups: dict = {}
   paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
-  for i, _, kind in _unit_leaves(axes):
+  for i, _, kind in _unit_leaves(axes, kinds):
     keys = [jax.tree_util.keystr((k,)) for k in paths[i]]
     cut = keys.index("['blocks']") if "['blocks']" in keys else len(keys) - 1
     groups.setdefault((tuple(keys[:cut]), sharding.block_index(paths[i]), kind), []).append(i)
@@ -549,11 +610,11 @@ def payload_bytes(tree, axes, moves: Moves, unit_sizes: dict) -> dict:
   """{"moved": bytes of the units that change owner, "wire": bytes the exchange carries
   between distinct devices} for a padded tree of layout `moves.src` (summed over all leaves)."""
   per_unit = {k: 0 for k in moves.kinds}
-  n = moves.src.num_devices
   leaves = jax.tree.leaves(tree)
-  for i, _, kind in _unit_leaves(axes):
-    x = leaves[i]
-    per_unit[kind] += x.size // (n * moves.kinds[kind].capacity_from) * x.dtype.itemsize
+  for i, _, kind in _unit_leaves(axes, moves.kinds):
+    x, m = leaves[i], moves.kinds[kind]
+    per_unit[kind] += (x.size // (m.num_devices * m.capacity_from * m.groups)
+                       * x.dtype.itemsize)
   moved = sum(per_unit[k] * m.moved for k, m in moves.kinds.items())
   wire = sum(per_unit[k] * m.wire_slots for k, m in moves.kinds.items())
   return {"moved": int(moved), "wire": int(wire), "per_unit": per_unit}

@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 
-# Logical axis -> mesh axis. Axes not listed are replicated.
-RULES = {"mlp": mesh_lib.TENSOR, "heads": mesh_lib.TENSOR}
+# Logical axis -> mesh axis. Axes not listed are replicated. "layers" is the stacked layer axis
+# of a pipelined state (`core.pipeline`), split over the pipeline stages.
+RULES = {"mlp": mesh_lib.TENSOR, "heads": mesh_lib.TENSOR, "layers": mesh_lib.PIPE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +36,10 @@ class Axes:
 
   names: tuple[str | None, ...]
 
-  def unit(self) -> tuple[int, str] | None:
-    """(axis index, kind) of the unit axis, or None for a replicated parameter."""
-    hits = [(i, n) for i, n in enumerate(self.names) if n in layout_lib.KINDS]
+  def unit(self, kinds=layout_lib.KINDS) -> tuple[int, str] | None:
+    """(axis index, kind) of the unit axis among `kinds` (default the tensor-parallel kinds), or
+    None for a parameter without one."""
+    hits = [(i, n) for i, n in enumerate(self.names) if n in kinds]
     if len(hits) > 1:
       raise ValueError(f"parameter axes {self.names} name more than one unit axis")
     return hits[0] if hits else None

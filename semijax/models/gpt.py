@@ -42,8 +42,15 @@ class GPT(nnx.Module):
     self.head = nnx.Linear(d_model, vocab_size, use_bias=False, rngs=rngs)
 
   def __call__(self, tokens: jnp.ndarray, plan: plan_lib.Plan) -> jnp.ndarray:
-    x = self.embed(tokens) + self.pos[: tokens.shape[-1]]
-    return self.head(self.encoder(x, plan))
+    return self.head_out(self.encoder.run_blocks(self.stem(tokens), plan))
+
+  def stem(self, tokens: jnp.ndarray) -> jnp.ndarray:
+    """int32 [batch, seq] -> [batch, seq, d_model]: what the first block sees."""
+    return self.embed(tokens) + self.pos[: tokens.shape[-1]]
+
+  def head_out(self, x: jnp.ndarray) -> jnp.ndarray:
+    """The last block's output [batch, seq, d_model] -> logits [batch, seq, vocab_size]."""
+    return self.head(self.encoder.ln_f(x))
 
   def unit_sizes(self) -> dict:
     """Entries per unit along each unit axis."""

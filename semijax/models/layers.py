@@ -98,6 +98,10 @@ class Encoder(nnx.Module):
 
   def __call__(self, x, plan: plan_lib.Plan):
     """x: [batch, seq, d_model] replicated over tensor; block i gets `plan.layer(i)`."""
+    return self.ln_f(self.run_blocks(x, plan))
+
+  def run_blocks(self, x, plan: plan_lib.Plan):
+    """The blocks alone (a pipeline stage runs its own share of them, `core.pipeline`)."""
     for i, block in enumerate(self.blocks):
       x = block(x, plan.layer(i))
-    return self.ln_f(x)
+    return x

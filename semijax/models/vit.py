@@ -60,10 +60,17 @@ class ViT(nnx.Module):
     self.head = nnx.Linear(d_model, num_classes, rngs=rngs)
 
   def __call__(self, images: jnp.ndarray, plan: plan_lib.Plan) -> jnp.ndarray:
+    return self.head_out(self.encoder.run_blocks(self.stem(images), plan))
+
+  def stem(self, images: jnp.ndarray) -> jnp.ndarray:
+    """[batch, H, W, C] -> [batch, patches + 1, d_model]: what the first block sees."""
     x = self.patch(patchify(images, self.patch_size))
     cls = jnp.broadcast_to(self.cls[...], (x.shape[0], 1, x.shape[-1]))
-    x = jnp.concatenate([cls, x], axis=1) + self.pos[...]
-    return self.head(self.encoder(x, plan)[:, 0])
+    return jnp.concatenate([cls, x], axis=1) + self.pos[...]
+
+  def head_out(self, x: jnp.ndarray) -> jnp.ndarray:
+    """The last block's output [batch, patches + 1, d_model] -> logits [batch, num_classes]."""
+    return self.head(self.encoder.ln_f(x)[:, 0])
 
   def unit_sizes(self) -> dict:
     return {"mlp": 1, "heads": self.head_dim}

@@ -8,6 +8,7 @@ import math
 import jax
 import optax
 
+from semijax.core import pipeline
 from semijax.errors import ConfigError
 
 
@@ -63,10 +64,17 @@ def learning_rate_schedule(spec: OptimizerSpec, steps: int) -> optax.Schedule:
                                             spec.learning_rate * 0.1)
 
 
+def _stacked(path) -> int:
+  """1 for a pipelined block parameter (leading layer axis, `core.pipeline.STACK`), else 0."""
+  return int(bool(path) and getattr(path[0], "key", None) == pipeline.STACK)
+
+
 def make(spec: OptimizerSpec, steps: int) -> optax.GradientTransformation:
-  """AdamW with linear warmup and cosine decay over `steps`; weight decay on matrices only;
+  """AdamW with linear warmup and cosine decay over `steps`; weight decay on matrices only
+  (per layer: a pipelined stack's [layers, d] bias is not a matrix);
   optional global-norm clip."""
-  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, x: x.ndim - _stacked(path) >= 2, params)
   tx = optax.adamw(learning_rate_schedule(spec, steps), b1=spec.b1, b2=spec.b2,
                    weight_decay=spec.weight_decay, mask=decay_mask)
   if spec.grad_clip > 0:

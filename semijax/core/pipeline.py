@@ -1,0 +1,597 @@
+"""Pipelined training (PatchPipe's device side): uneven layers per stage on a (data, pipe, tensor)
+mesh, microbatched schedules under `jax.shard_map`, exact gradients.
+
+Where the state lives (`PipeLayout`): stage s (a position on `pipe`) holds a contiguous run of
+layers, `layers.owned[s]`, in `layers.capacity` slots (more than it owns when stages are uneven;
+padded slots are zeros and never run), and inside the stage every block's units follow that
+stage's own tensor layout `units[s]` (each stage is a tensor group of its own). Every block
+parameter is stacked on a leading layer axis of P x capacity rows (logical axis "layers", split
+over `pipe`): params = {"shared": <embeddings, final norm, head: replicated>, "stack": <block
+parameters, [P*cap, ...]>}. Data-parallel pipelines (`data`) are replicas of one structure.
+
+The logical (layout-independent) form is the padded form of the canonical `PipeLayout` (layers in
+order, ceil(L / P) per stage; units in order in every stage). Packing and unpacking are
+migrations (`core.migrate`): first each stage's units between its tensor layout and the
+canonical one (over `tensor`), then, if layers change stage, the stacked rows over `pipe`; a
+layer boundary moves with the migration collective, weights and Adam moments together.
+
+A step runs a schedule's tick table (`core.schedule`): in a tick each stage runs at most one
+forward and one backward (the backward recomputes its forward with `jax.vjp` from the stashed
+input), then two ppermutes over `pipe` carry activations forward and cotangents back. Inside a
+stage, `lax.scan` runs its layer slots and `lax.cond` skips the slots past its layer count (data:
+moving a boundary inside a bucket recompiles nothing), each block being the usual uneven
+tensor-parallel block. The first stage also runs the embedding, the last the head and the loss
+(normalized by the whole global batch's token count, so gradients equal the unpipelined ones).
+Gradients of the shared parameters are summed over `pipe` and every gradient over `data` once,
+after the last tick, outside any branch. Data-parallel pipelines may run different numbers of
+microbatches (a faster pipeline takes more of the global batch): each replica has its own table,
+padded to the longest with idle ticks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from semijax.core import layout as layout_lib
+from semijax.core import mesh as mesh_lib
+from semijax.core import migrate
+from semijax.core import plan as plan_lib
+from semijax.core import schedule as schedule_lib
+from semijax.core import sharding
+from semijax.core.engine import TrainState
+from semijax.errors import LayoutError
+
+DATA, PIPE, TENSOR = mesh_lib.DATA, mesh_lib.PIPE, mesh_lib.TENSOR
+LAYERS = layout_lib.LAYERS
+SHARED, STACK = "shared", "stack"      # the two subtrees of pipelined parameters (module doc)
+
+
+# --- where layers and units live ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeLayout:
+  """Layers of every stage and the tensor layout inside every stage (see module doc).
+
+  Attributes:
+    layers: a `UnitLayout` of kind "layers": `owned[s]` the layer ids of stage s (a contiguous
+      run, ascending, the runs in stage order), `capacity` the slots per stage, `active` the
+      counts.
+    units: one `Layout` per stage; all with the same capacities and compute widths per kind.
+  """
+
+  layers: layout_lib.UnitLayout
+  units: tuple
+
+  def __post_init__(self):
+    if self.layers.kind != LAYERS:
+      raise LayoutError(f"layout.layers: expected kind {LAYERS!r}, got {self.layers.kind!r}")
+    if len(self.units) != self.layers.num_devices:
+      raise LayoutError(f"layout.units: {len(self.units)} stage layouts for "
+                        f"{self.layers.num_devices} stages")
+    nxt = 0
+    for s, owned in enumerate(self.layers.owned):
+      if list(owned) != list(range(nxt, nxt + len(owned))):
+        raise LayoutError(f"layout.layers.owned: stage {s} holds layers {list(owned)}, not the "
+                          f"next contiguous run from layer {nxt}")
+      nxt += len(owned)
+    if len({u.bucket() for u in self.units}) != 1:
+      raise LayoutError("layout.units: every stage's tensor layout must share its capacities and "
+                        f"compute widths, got {[u.bucket() for u in self.units]}")
+
+  @classmethod
+  def build(cls, num_layers: int, stage_layers, stage_units: Sequence[layout_lib.Layout],
+            capacity: int | None = None) -> "PipeLayout":
+    """Stages holding `stage_layers` layers each ("even" or a count per stage), in order."""
+    stages = len(stage_units)
+    if isinstance(stage_layers, str):
+      if stage_layers != "even":
+        raise LayoutError(f"pipeline.layers: {stage_layers!r} is not 'even' or counts")
+      counts = layout_lib.even_counts(num_layers, stages)
+    else:
+      counts = tuple(int(c) for c in stage_layers)
+    if len(counts) != stages or sum(counts) != num_layers or min(counts) < 1:
+      raise LayoutError(f"pipeline.layers: counts {counts} must give each of the {stages} stages "
+                        f"at least one layer and sum to the model's {num_layers}")
+    cap = max(counts) if capacity is None else int(capacity)
+    layers = layout_lib.UnitLayout.from_counts(LAYERS, counts, capacity=cap, widths=(cap,))
+    return cls(layers, tuple(stage_units))
+
+  @classmethod
+  def canonical(cls, num_layers: int, num_units: dict, stages: int,
+                tensor: int) -> "PipeLayout":
+    """The layout of the sharded logical form: layers and units in order, evenly split."""
+    units = layout_lib.Layout.canonical(num_units, tensor)
+    return cls(layout_lib.UnitLayout.canonical(LAYERS, num_layers, stages), (units,) * stages)
+
+  @property
+  def stages(self) -> int:
+    return self.layers.num_devices
+
+  @property
+  def stage_layers(self) -> tuple[int, ...]:
+    return self.layers.counts
+
+  def bucket(self) -> tuple:
+    """What compiled programs depend on: layer slots per stage and the units' bucket."""
+    return (self.layers.capacity, self.units[0].bucket())
+
+  def with_units(self, units: Sequence[layout_lib.Layout]) -> "PipeLayout":
+    return PipeLayout(self.layers, tuple(units))
+
+  def to_json(self) -> dict:
+    return {"layers": [list(o) for o in self.layers.owned], "layer_capacity": self.layers.capacity,
+            "units": [u.to_json() for u in self.units]}
+
+  @classmethod
+  def from_json(cls, d: dict) -> "PipeLayout":
+    counts = tuple(len(o) for o in d["layers"])
+    layers = layout_lib.UnitLayout.from_counts(LAYERS, counts, capacity=d["layer_capacity"],
+                                               widths=(d["layer_capacity"],))
+    return cls(layers, tuple(layout_lib.Layout.from_json(u) for u in d["units"]))
+
+
+# --- the plan of a step ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("active", "layers", "table"),
+                   meta_fields=("widths",))
+@dataclasses.dataclass(frozen=True)
+class PipePlan:
+  """What every device computes in one pipelined step (data: no recompile when it changes).
+
+  Attributes:
+    active: {kind: int32 [P, N]} units each device of each stage computes, split over
+      (pipe, tensor).
+    layers: int32 [P] layers each stage runs, split over `pipe`.
+    table: int32 [D, T, P, 2] each data replica's tick table (`core.schedule.table`), padded
+      with idle ticks to the longest; split over `data`.
+    widths: ((kind, compiled widths), ...), static.
+  """
+
+  active: dict
+  layers: jax.Array
+  table: jax.Array
+  widths: tuple
+
+
+# --- the engine -------------------------------------------------------------------------------------
+
+
+def _without_blocks(tree: dict) -> dict:
+  out = dict(tree)
+  out["encoder"] = {k: v for k, v in tree["encoder"].items() if k != "blocks"}
+  return out
+
+
+def _stack_axes(a: sharding.Axes) -> sharding.Axes:
+  return sharding.Axes((LAYERS,) + tuple(a.names))
+
+
+def _vary(x, axes):
+  """`x` typed as varying over `axes` (shard_map's check_vma), casting only what it lacks."""
+  aval = jax.typeof(x)
+  have = getattr(aval, "vma", None)
+  if have is None:
+    have = getattr(getattr(aval, "mat", None), "varying", frozenset())
+  missing = tuple(a for a in axes if a not in have)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _invariant_over_tensor(x):
+  """`x`, equal on every tensor device, typed as such (pmax is exact on equal values)."""
+  aval = jax.typeof(x)
+  have = getattr(aval, "vma", None)
+  if have is None:
+    have = getattr(getattr(aval, "mat", None), "varying", frozenset())
+  return jax.lax.pmax(x, TENSOR) if TENSOR in have else x
+
+
+class PipelineEngine:
+  """Runs one model pipelined over a (data, pipe, tensor) mesh (see module doc).
+
+  Args:
+    model_fn: rngs -> nnx.Module with `stem(inputs)`, `encoder.blocks`, `encoder.run_blocks`,
+      `head_out(x)`, `input_key` and `unit_sizes()` (the models in `semijax.models`).
+    loss_terms: (logits, batch) -> {"loss_sum", "count", "correct"} local sums (`models.tasks`).
+    mesh: a (data, pipe, tensor) mesh (`mesh.make_pipeline_mesh`).
+    tx: the optax optimizer (applied to the stacked parameters; padded rows stay zero).
+    schedule: "gpipe" or "1f1b" (`core.schedule`).
+    microbatches: the most microbatches any data-parallel pipeline runs in a step (static).
+  """
+
+  def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], loss_terms: Callable,
+               mesh: jax.sharding.Mesh, tx: optax.GradientTransformation, *,
+               schedule: str = "1f1b", microbatches: int = 1):
+    if schedule not in schedule_lib.SCHEDULES:
+      raise ValueError(f"pipeline.schedule: {schedule!r} is not one of "
+                       f"{list(schedule_lib.SCHEDULES)}")
+    abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
+    self.graphdef, abstract_state = nnx.split(abstract)
+    self.block_graphdef = nnx.split(abstract.encoder.blocks[0])[0]
+    self.model_fn, self.loss_terms, self.mesh, self.tx = model_fn, loss_terms, mesh, tx
+    self.schedule, self.microbatches = schedule, int(microbatches)
+    full_axes = sharding.axes_tree(abstract_state)
+    self.block_axes = full_axes["encoder"]["blocks"][0]
+    self.axes = {SHARED: _without_blocks(full_axes),
+                 STACK: jax.tree.map(_stack_axes, self.block_axes)}
+    self.num_layers = len(full_axes["encoder"]["blocks"])
+    self.input_key = abstract.input_key
+    self.unit_sizes = abstract.unit_sizes()
+    self.num_units = self._num_units(abstract_state)
+    self.stages, self.tensor_size = mesh.shape[PIPE], mesh.shape[TENSOR]
+    self.data_size = mesh.shape[DATA]
+    self.param_shardings = sharding.shardings(self.axes, mesh)
+    self.replicated = NamedSharding(mesh, P())
+    self.batch_sharding = NamedSharding(mesh, P(DATA))
+    self._migrator = None
+    self._compiled: dict = {}
+    self.compile_count = 0
+
+  def _num_units(self, abstract_state) -> dict:
+    shapes = nnx.to_pure_dict(jax.tree.map(lambda v: v.shape, abstract_state,
+                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    block = shapes["encoder"]["blocks"][0]
+    out = {}
+    for a, shape in zip(jax.tree.leaves(self.block_axes),
+                        jax.tree.leaves(block, is_leaf=lambda x: isinstance(x, tuple))):
+      if (unit := a.unit()) is not None:
+        axis, kind = unit
+        out[kind] = shape[axis] // self.unit_sizes[kind]
+    return out
+
+  # --- layouts ----------------------------------------------------------------------------------
+
+  @property
+  def logical_layout(self) -> PipeLayout:
+    return PipeLayout.canonical(self.num_layers, self.num_units, self.stages, self.tensor_size)
+
+  def check_layout(self, layout: PipeLayout) -> None:
+    """Raises LayoutError unless `layout` fits this model and mesh."""
+    if layout.stages != self.stages or layout.layers.num_units != self.num_layers:
+      raise LayoutError(f"layout.layers: {layout.layers.num_units} layers on {layout.stages} "
+                        f"stages, but the model has {self.num_layers} on mesh.pipe = "
+                        f"{self.stages}")
+    for s, u in enumerate(layout.units):
+      if u.num_devices != self.tensor_size:
+        raise LayoutError(f"layout.units[{s}]: {u.num_devices} devices, but mesh.tensor = "
+                          f"{self.tensor_size}")
+      for kind, k in u.kinds().items():
+        if k.num_units != self.num_units[kind]:
+          raise LayoutError(f"layout.units[{s}].{kind}: {k.num_units} units, but the model has "
+                            f"{self.num_units[kind]}")
+
+  def plan(self, layout: PipeLayout, microbatches: Sequence[int] | None = None) -> PipePlan:
+    """The device-placed plan of a step in `layout`; `microbatches`: per data replica (default
+    `self.microbatches` each), each at most `self.microbatches`."""
+    self.check_layout(layout)
+    counts = tuple(microbatches or (self.microbatches,) * self.data_size)
+    if len(counts) != self.data_size or not all(1 <= c <= self.microbatches for c in counts):
+      raise ValueError(f"pipeline.microbatches: {counts} must give each of the {self.data_size} "
+                       f"pipelines between 1 and {self.microbatches} microbatches")
+    tables = [schedule_lib.table(self.schedule, self.stages, c) for c in counts]
+    longest = len(schedule_lib.table(self.schedule, self.stages, self.microbatches))
+    table = np.full((self.data_size, longest, self.stages, 2), -1, np.int32)
+    for d, t in enumerate(tables):
+      table[d, :len(t)] = t
+    put = lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec))
+    active = {k: put(np.stack([np.asarray(u.kinds()[k].active, np.int32) for u in layout.units]),
+                     P(PIPE, TENSOR)) for k in self.num_units}
+    return PipePlan(active, put(np.asarray(layout.stage_layers, np.int32), P(PIPE)),
+                    put(table, P(DATA)),
+                    tuple((k, u.widths) for k, u in layout.units[0].kinds().items()))
+
+  # --- state forms ------------------------------------------------------------------------------
+
+  def _logical_init(self, seed: int) -> TrainState:
+    """The canonical logical state from `seed` (see module doc), padded with zero rows/units."""
+    full = nnx.to_pure_dict(nnx.split(self.model_fn(nnx.Rngs(seed)))[1])
+    blocks = [full["encoder"]["blocks"][i] for i in range(self.num_layers)]
+    canon = self.logical_layout
+    rows = canon.layers.num_slots
+    unit_slots = {k: u.num_slots * self.unit_sizes[k] for k, u in canon.units[0].kinds().items()}
+
+    def stack(*xs, a):
+      x = jnp.stack(xs)
+      widths = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+      if (unit := a.unit()) is not None:
+        axis, kind = unit
+        widths[axis + 1] = (0, unit_slots[kind] - x.shape[axis + 1])
+      return jnp.pad(x, widths)
+
+    stacked = jax.tree.map(lambda a, *xs: stack(*xs, a=a), self.block_axes, *blocks)
+    params = {SHARED: _without_blocks(full), STACK: stacked}
+    return TrainState(params, self.tx.init(params))
+
+  def logical_shardings(self) -> TrainState:
+    abstract = jax.eval_shape(functools.partial(self._logical_init, 0))
+    opt = optax.tree_utils.tree_map_params(
+        self.tx, lambda x, a: NamedSharding(self.mesh, a.spec()), abstract.opt_state,
+        self.axes, transform_non_params=lambda x: self.replicated)
+    return TrainState(self.param_shardings, opt)
+
+  def init_logical(self, seed: int) -> TrainState:
+    """The sharded logical state from `seed`, built under its sharding (no replicated copy)."""
+    return jax.jit(functools.partial(self._logical_init, seed),
+                   out_shardings=self.logical_shardings())()
+
+  def abstract_logical(self) -> TrainState:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        jax.eval_shape(functools.partial(self._logical_init, 0)),
+                        self.logical_shardings())
+
+  def tree_axes(self, tree):
+    if isinstance(tree, TrainState):
+      return migrate.state_axes(tree, self.tx, self.axes)
+    return self.axes
+
+  def migrator(self) -> migrate.Migrator:
+    if self._migrator is None:
+      self._migrator = migrate.Migrator(self.mesh, self.unit_sizes)
+    return self._migrator
+
+  def move(self, tree, old: PipeLayout, new: PipeLayout, *, donate: bool = False):
+    """A state (or parameter-shaped tree) padded in `old`, padded in `new`: each stage's units
+    to the canonical layout, the layers that change stage over `pipe`, then each stage's units to
+    their new layout (steps that change nothing are skipped), leaf by leaf."""
+    self.check_layout(old)
+    self.check_layout(new)
+    axes = self.tree_axes(tree)
+    mig = self.migrator()
+    canon = self.logical_layout.units[0]
+    run = lambda t, moves, kinds, first: mig.move_groups(
+        t, axes, moves, migrate.leaf_groups(t, axes, kinds, by_leaf=True),
+        donate=donate or not first)
+    first = True
+    if old.layers != new.layers:
+      if any(u != canon for u in old.units):
+        tree = run(tree, migrate.plan_stages(old.units, (canon,) * old.stages),
+                   layout_lib.KINDS, first)
+        first = False
+      tree = run(tree, migrate.plan_layers(old.layers, new.layers), (LAYERS,), first)
+      first = False
+      old = old.with_units((canon,) * old.stages)
+    if old.units != new.units:
+      tree = run(tree, migrate.plan_stages(old.units, new.units), layout_lib.KINDS, first)
+    elif first and not donate:
+      tree = jax.tree.map(lambda x: x.copy(), tree)
+    return tree
+
+  def to_padded(self, logical, layout: PipeLayout, *, donate: bool = False):
+    return self.move(logical, self.logical_layout, layout, donate=donate)
+
+  def to_logical(self, padded, layout: PipeLayout, *, donate: bool = False):
+    return self.move(padded, layout, self.logical_layout, donate=donate)
+
+  def init(self, seed: int, layout: PipeLayout) -> TrainState:
+    return self.to_padded(self.init_logical(seed), layout, donate=True)
+
+  def logical_arrays(self, logical) -> Any:
+    """Host numpy copies of a logical tree in the unpipelined model's form: {"encoder":
+    {"blocks": {0: ..., ...}, ...}, ...} with exactly U units per unit axis."""
+    params = logical.params if isinstance(logical, TrainState) else logical
+    units = {k: n * self.unit_sizes[k] for k, n in self.num_units.items()}
+
+    def cut(x, a, layer):
+      x = np.asarray(jax.device_get(x))[layer]
+      if (unit := a.unit()) is None:
+        return x
+      axis, kind = unit
+      return np.take(x, np.arange(units[kind]), axis=axis)
+
+    out = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params[SHARED])
+    out = copy.deepcopy(out)
+    out["encoder"]["blocks"] = {
+        l: jax.tree.map(lambda x, a, l=l: cut(x, a, l), params[STACK], self.block_axes)
+        for l in range(self.num_layers)}
+    return out
+
+  # --- the sharded step ---------------------------------------------------------------------------
+
+  def arrange_batch(self, batch: dict, microbatches: Sequence[int]) -> dict:
+    """Host arrays of the global batch (sum(microbatches) * microbatch rows, in order) -> arrays
+    [data * M * microbatch, ...] split over `data`: replica d gets its `microbatches[d]`
+    microbatches, the rest zeros with weight 0 (M = `self.microbatches`)."""
+    rows = len(next(iter(batch.values())))
+    total = sum(microbatches)
+    if rows % total:
+      raise ValueError(f"pipeline.microbatches: {rows} examples do not split into "
+                       f"{total} microbatches of one size")
+    mb = rows // total
+    weights_key = "weights"
+    target = self._target_key(batch)
+    out = {k: [] for k in batch}
+    weights = []
+    start = 0
+    for m in microbatches:
+      take = slice(start, start + m * mb)
+      pad = (self.microbatches - m) * mb
+      for k, x in batch.items():
+        x = np.asarray(x)
+        out[k].append(np.concatenate([x[take], np.zeros((pad,) + x.shape[1:], x.dtype)]))
+      w = (np.asarray(batch[weights_key], np.float32)[take] if weights_key in batch
+           else np.ones(np.asarray(batch[target])[take].shape, np.float32))
+      weights.append(np.concatenate([w, np.zeros((pad,) + w.shape[1:], np.float32)]))
+      start += m * mb
+    arranged = {k: np.concatenate(v) for k, v in out.items()}
+    arranged[weights_key] = np.concatenate(weights)
+    return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), arranged)
+
+  @staticmethod
+  def _target_key(batch) -> str:
+    return "targets" if "targets" in batch else "labels"
+
+  def _shared_model(self, shared):
+    """The model with `shared` parameters (its blocks' parameters are placeholders: only
+    `stem` and `head_out` run on it)."""
+    state = copy.copy(shared)
+    state["encoder"] = dict(shared["encoder"])
+    dummy = jax.tree.map(lambda _: jnp.zeros(()), self.block_axes)
+    state["encoder"]["blocks"] = {i: dummy for i in range(self.num_layers)}
+    return nnx.merge(self.graphdef, state)
+
+  def _stage(self, stack, count, plan, x):
+    """Runs this stage's layer slots on x [mb, seq, d_model]; slots >= count are skipped."""
+    def body(x, item):
+      params, slot = item
+      run = lambda x: nnx.merge(self.block_graphdef, params)(x, plan)
+      return jax.lax.cond(slot < count, run, lambda x: x, x), None
+    slots = jnp.arange(jax.tree.leaves(stack)[0].shape[0])
+    x, _ = jax.lax.scan(body, x, (stack, slots))
+    return x
+
+  def _local(self, params, batch, pplan, *, train: bool):
+    """The per-device body (inside shard_map): the tick loop (see module doc)."""
+    s = jax.lax.axis_index(PIPE)
+    is_first, is_last = s == 0, s == self.stages - 1
+    m_count = self.microbatches
+    mbs = jax.tree.map(lambda x: x.reshape((m_count, -1) + x.shape[1:]), batch)
+    total = jax.lax.psum(jnp.sum(batch["weights"]), DATA)
+    plan = plan_lib.Plan({k: v.reshape(1) for k, v in pplan.active.items()}, pplan.widths)
+    count = pplan.layers.reshape(())
+    table = jnp.take(pplan.table[0], s, axis=1)                         # [T, 2]
+    shared = jax.tree.map(lambda x: _vary(x, (DATA, PIPE)), params[SHARED])
+    stack = jax.tree.map(lambda x: _vary(x, (DATA,)), params[STACK])
+    pick = lambda m: jax.tree.map(lambda x: x[jnp.maximum(m, 0)], mbs)
+
+    def zero_terms(ref):
+      z = jnp.zeros_like(ref[(0,) * ref.ndim], jnp.float32)
+      return {"loss_sum": z, "count": z, "correct": z}
+
+    def g(shared, stack, x_in, mb):
+      """(stage output, loss terms): the embedding first, the stage's layers, the head last."""
+      model = self._shared_model(shared)
+      x0 = jax.lax.cond(is_first, lambda: model.stem(mb[self.input_key]).astype(x_in.dtype),
+                        lambda: x_in)
+      h = self._stage(stack, count, plan, x0)
+      terms = jax.lax.cond(is_last, lambda: self.loss_terms(model.head_out(h), mb),
+                           lambda: zero_terms(h))
+      return h, terms
+
+    probe = _vary(jnp.zeros_like(self._shared_model(shared).stem(pick(0)[self.input_key])),
+                  (DATA, PIPE))
+    slots = int(schedule_lib.in_flight(np.asarray(schedule_lib.table(
+        self.schedule, self.stages, m_count))).max()) if train else 1
+    zeros_grads = lambda t: jax.tree.map(jnp.zeros_like, t)
+    carry = {"x": probe, "g": probe, "stash": jnp.stack([probe] * slots),
+             "terms": zero_terms(probe)}
+    if train:
+      carry["d_shared"], carry["d_stack"] = zeros_grads(shared), zeros_grads(stack)
+
+    def tick(carry, row):
+      f, b = row[0], row[1]
+      out = dict(carry)
+
+      def forward(c):
+        mb = pick(f)
+        h, terms = g(shared, stack, c["x"], mb)
+        stash = c["stash"].at[jnp.maximum(f, 0) % slots].set(c["x"]) if train else c["stash"]
+        add = terms if not train else zero_terms(h)
+        return h, stash, jax.tree.map(jnp.add, c["terms"], add)
+
+      skip_f = lambda c: (jnp.zeros_like(c["x"]), c["stash"], c["terms"])
+      h, out["stash"], out["terms"] = jax.lax.cond(f >= 0, forward, skip_f, carry)
+      dx = jnp.zeros_like(carry["g"])
+      if train:
+        def backward(c):
+          mb = pick(b)
+          x_b = c["stash"][jnp.maximum(b, 0) % slots]
+          (_, terms), vjp = jax.vjp(lambda sh, st, x: g(sh, st, x, mb), shared, stack, x_b)
+          seed = jnp.where(is_last, 1.0 / total, 0.0).astype(jnp.float32)
+          cot_terms = {k: jnp.zeros_like(v) for k, v in terms.items()}
+          cot_terms["loss_sum"] = cot_terms["loss_sum"] + seed
+          cot_h = jnp.where(is_last, jnp.zeros_like(c["g"]), c["g"])
+          d_sh, d_st, d_x = vjp((cot_h, cot_terms))
+          return (jax.tree.map(jnp.add, c["d_shared"], d_sh),
+                  jax.tree.map(jnp.add, c["d_stack"], d_st), d_x,
+                  jax.tree.map(jnp.add, c["terms"], terms))
+
+        skip_b = lambda c: (c["d_shared"], c["d_stack"], jnp.zeros_like(c["g"]), c["terms"])
+        after_f = dict(carry, stash=out["stash"], terms=out["terms"])
+        out["d_shared"], out["d_stack"], dx, out["terms"] = jax.lax.cond(
+            b >= 0, backward, skip_b, after_f)
+      if self.stages > 1:
+        out["x"] = jax.lax.ppermute(h, PIPE, [(i, i + 1) for i in range(self.stages - 1)])
+        out["g"] = jax.lax.ppermute(dx, PIPE, [(i + 1, i) for i in range(self.stages - 1)])
+      else:
+        out["x"], out["g"] = jnp.zeros_like(h), jnp.zeros_like(dx)
+      return out, None
+
+    carry, _ = jax.lax.scan(tick, carry, table)
+    terms = jax.tree.map(_invariant_over_tensor,
+                         jax.lax.psum(jax.lax.psum(carry["terms"], PIPE), DATA))
+    if not train:
+      return terms
+    d_shared = jax.tree.map(_invariant_over_tensor,
+                            jax.lax.psum(jax.lax.psum(carry["d_shared"], PIPE), DATA))
+    d_stack = jax.lax.psum(carry["d_stack"], DATA)
+    return {SHARED: d_shared, STACK: d_stack}, terms
+
+  def _sharded(self, fn, out_specs, params, batch, pplan):
+    plan_specs = PipePlan({k: P(PIPE, TENSOR) for k in pplan.active}, P(PIPE), P(DATA),
+                          pplan.widths)
+    in_specs = (sharding.specs(self.axes), jax.tree.map(lambda _: P(DATA), batch), plan_specs)
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
+        params, batch, pplan)
+
+  def grads_and_terms(self, params, batch, pplan):
+    """(gradients like `params`, summed loss terms) of one step's global batch."""
+    specs = sharding.specs(self.axes)
+    return self._sharded(functools.partial(self._local, train=True), (specs, P()), params,
+                         batch, pplan)
+
+  def _train_step(self, state: TrainState, batch, pplan):
+    grads, terms = self.grads_and_terms(state.params, batch, pplan)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": terms["loss_sum"] / terms["count"],
+               "accuracy": terms["correct"] / terms["count"], "grad_norm": optax.tree.norm(grads)}
+    return TrainState(params, opt_state), metrics
+
+  def _eval_terms(self, params, batch, pplan):
+    return self._sharded(functools.partial(self._local, train=False), P(), params, batch, pplan)
+
+  def _compiled_fn(self, kind, state_or_params, batch, pplan):
+    params = state_or_params.params if kind == "train" else state_or_params
+    key = (kind, tuple(x.shape for x in jax.tree.leaves(params)), jax.tree.structure(pplan),
+           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(pplan)),
+           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch)))
+    fn = self._compiled.get(key)
+    if fn is None:
+      abstract = lambda t: jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
+      if kind == "train":
+        out_sh = (TrainState(self.param_shardings, jax.tree.map(lambda x: x.sharding,
+                                                                state_or_params.opt_state)),
+                  self.replicated)
+        jitted = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=out_sh)
+      else:
+        jitted = jax.jit(self._eval_terms, out_shardings=self.replicated)
+      fn = jitted.lower(abstract(state_or_params), abstract(batch), abstract(pplan)).compile()
+      self.compile_count += 1
+      logging.info("compiled pipelined %s step (%d variants)", kind, len(self._compiled) + 1)
+      self._compiled[key] = fn
+    return fn
+
+  def compile(self, state: TrainState, batch, pplan: PipePlan, eval_batch=None) -> None:
+    self._compiled_fn("train", state, batch, pplan)
+    self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch, pplan)
+
+  def train_step(self, state: TrainState, batch, pplan: PipePlan):
+    """One optimizer step; `state` is donated. Returns (new state, metrics dict of scalars)."""
+    return self._compiled_fn("train", state, batch, pplan)(state, batch, pplan)
+
+  def eval_terms(self, params, batch, pplan: PipePlan) -> dict:
+    return self._compiled_fn("eval", params, batch, pplan)(params, batch, pplan)
+
