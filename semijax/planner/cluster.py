@@ -3,9 +3,10 @@
 A `Cluster` of D devices holds per device a relative speed v_i (the nominal device, which runs
 `device_gflops`, has speed 1; conventionally the fastest) and its memory in bytes, and per pair of
 devices a link: latency L_ij (seconds) and bandwidth W_ij (bytes/s), symmetric (the diagonal is
-not used). Clusters are built per device pair, or from regions (`from_regions`: a region-level
-latency/bandwidth matrix, its diagonal the link inside a region, expanded to devices;
-`two_level`: one link inside every region, one between any two).
+not used). Clusters are built per device pair, or from regions (`from_regions`: devices listed
+region by region, a region-level latency/bandwidth matrix, its diagonal the link inside a
+region, expanded to devices; `from_device_regions`: a region index per device, as a config
+gives it; `two_level`: one link inside every region, one between any two).
 
 `classes()` groups devices that are exactly interchangeable: swapping two of them leaves speeds,
 memory and every link unchanged, so no plan's predicted time changes. The planner searches over
@@ -116,6 +117,26 @@ class Cluster:
     lat = np.asarray(region_latency_s, np.float64)[np.ix_(regions, regions)]
     bw = np.asarray(region_bandwidth, np.float64)[np.ix_(regions, regions)]
     return cls(speeds, mem, lat, bw, regions)
+
+  @classmethod
+  def from_device_regions(cls, speeds: Sequence[float], regions: Sequence[int],
+                          region_latency_s, region_bandwidth, memory=np.inf) -> "Cluster":
+    """Devices in any order, each with its region index (0..R-1), links from an R x R region
+    matrix (as `from_regions`); memory: a scalar or one value per device."""
+    regions = np.asarray(regions)
+    speeds = np.asarray(speeds, np.float64)
+    if regions.shape != speeds.shape or regions.dtype.kind not in "iu" or np.any(regions < 0):
+      raise errors.ConfigError(f"cluster.regions: need one region index >= 0 per device "
+                               f"({speeds.size}), got {regions.tolist()}")
+    r_ = int(regions.max()) + 1 if regions.size else 0
+    for name, m in (("region_latency_s", region_latency_s),
+                    ("region_bandwidth", region_bandwidth)):
+      if np.shape(m) != (r_, r_):
+        raise errors.ConfigError(f"cluster.{name}: need a [{r_}, {r_}] matrix, got shape "
+                                 f"{np.shape(m)}")
+    lat = np.asarray(region_latency_s, np.float64)[np.ix_(regions, regions)]
+    bw = np.asarray(region_bandwidth, np.float64)[np.ix_(regions, regions)]
+    return cls(speeds, memory, lat, bw, regions)
 
   @classmethod
   def two_level(cls, region_speeds: Sequence[Sequence[float]], intra: tuple[float, float],

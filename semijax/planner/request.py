@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from semijax import errors
 from semijax.core import schedule as schedule_lib
 from semijax.planner import cluster as cluster_lib
 from semijax.planner import costs as costs_lib
@@ -23,8 +24,8 @@ from semijax.sync import settings as sync_settings
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Request:
-  """A validated planning request (see module doc). Bad arguments raise ValueError naming
-  them."""
+  """A validated planning request (see module doc). Bad arguments raise `errors.ConfigError`
+  (a ValueError) naming them."""
 
   costs: costs_lib.ModelCosts
   cluster: cluster_lib.Cluster
@@ -36,16 +37,16 @@ class Request:
   def __post_init__(self):
     b = self.global_batch
     if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
-      raise ValueError(f"global_batch: must be an integer >= 1, got {b!r}")
+      raise errors.ConfigError(f"global_batch: must be an integer >= 1, got {b!r}")
     sizes = tuple(self.microbatch_sizes)
     if not sizes or any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1
                         or b % m for m in sizes):
-      raise ValueError(f"microbatch_sizes: need integers >= 1 that divide global_batch {b}, got "
-                       f"{sizes}")
+      raise errors.ConfigError(f"microbatch_sizes: need integers >= 1 that divide global_batch "
+                               f"{b}, got {sizes}")
     for name, allowed in (("schedules", schedule_lib.SCHEDULES), ("syncs", sync_settings.MODES)):
       got = tuple(getattr(self, name))
       if not got or any(x not in allowed for x in got):
-        raise ValueError(f"{name}: need a non-empty subset of {allowed}, got {got}")
+        raise errors.ConfigError(f"{name}: need a non-empty subset of {allowed}, got {got}")
       object.__setattr__(self, name, tuple(dict.fromkeys(got)))
     object.__setattr__(self, "microbatch_sizes", tuple(sorted(set(int(m) for m in sizes))))
 

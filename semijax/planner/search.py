@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from semijax import errors
 from semijax.core import schedule as schedule_lib
 from semijax.planner import cluster as cluster_lib
 from semijax.planner import costs as costs_lib
@@ -46,17 +47,17 @@ def search(req: request_lib.Request, method: str = "auto") -> request_lib.Candid
   """The best candidate for `req` (see module doc).
 
   Raises:
-    ValueError: an unknown method, or no plan fits the devices' memory.
+    errors.ConfigError (a ValueError): an unknown method, or no plan fits the devices' memory.
   """
   if method not in METHODS:
-    raise ValueError(f"method: {method!r} is not one of {METHODS}")
+    raise errors.ConfigError(f"method: {method!r} is not one of {METHODS}")
   best = hierarchy.search(req)
   if method == "exact" or (method == "auto" and exact.work(req) <= EXACT_WORK):
     best = exact.search(req, incumbent=best)
   if best is None:
-    raise ValueError("cluster.memory: no plan fits the devices' memory (parameters, Adam "
-                     "moments and stashed activations); add devices or memory, or try smaller "
-                     "microbatch_sizes")
+    raise errors.ConfigError("cluster.memory: no plan fits the devices' memory (parameters, "
+                             "Adam moments and stashed activations); add devices or memory, or "
+                             "try smaller microbatch_sizes")
   return best
 
 
@@ -76,7 +77,7 @@ def plan(costs: costs_lib.ModelCosts, cluster: cluster_lib.Cluster, global_batch
     method: "auto" (exact when small enough), "exact" or "hierarchical".
 
   Raises:
-    ValueError: a bad argument (named), or no plan fits in memory.
+    errors.ConfigError (a ValueError): a bad argument (named), or no plan fits in memory.
   """
   req = request_lib.as_request(costs, cluster, global_batch, microbatch_sizes, schedules, syncs)
   return realize(req, search(req, method))

@@ -20,6 +20,13 @@ def test_regions_expand_to_devices():
   assert c.group_link([0, 1]) == (1e-6, 1e10)
   assert c.group_link([0, 1, 2]) == (1e-3, 1e8)
   assert c.group_link([2]) == (0.0, np.inf)
+  again = cluster_lib.Cluster.from_device_regions(
+      [0.25, 1.0, 0.5], [1, 0, 0], [[1e-6, 1e-3], [1e-3, 2e-6]], [[1e10, 1e8], [1e8, 5e9]],
+      memory=[4e9, 8e9, 8e9])
+  perm = [1, 2, 0]
+  np.testing.assert_array_equal(again.latency_s[np.ix_(perm, perm)], c.latency_s)
+  np.testing.assert_array_equal(again.bandwidth[np.ix_(perm, perm)], c.bandwidth)
+  np.testing.assert_array_equal(again.memory[perm], c.memory)
   free = c.without_links()
   assert free.group_link([0, 2]) == (0.0, np.inf)
   np.testing.assert_array_equal(free.speeds, c.speeds)
