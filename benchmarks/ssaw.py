@@ -64,10 +64,10 @@ EMULATED = {
 # the samples, in the same rounds, at the same staleness.)
 QUICK_EMULATED = ("4x1_slow2", "8x2_slow2_4")
 ROUNDS = 3
-QUICK_STEPS, STEPS = 24, 120   # the sample budget: steps x batch_size (emulated)
+QUICK_STEPS, STEPS = 20, 120   # the sample budget: steps x batch_size (emulated)
 QUICK_REAL_STEPS, REAL_STEPS = 16, 120
 EMULATED_STEP_S = 0.08    # emulated seconds of a nominal replica's microbatch
-EVALS_PER_RUN = 8
+EVALS_PER_RUN = 6
 # Every variant but sync trains on past the sample budget (at the schedule's final rate) by
 # this factor, so that the time to reach sync's final loss is measured even where it takes a
 # few more samples; its figures at the budget itself come from its curve.
@@ -253,7 +253,8 @@ def run_real_worker(out: str, *, quick: bool, models, scenarios, variants, on_s:
 
 
 def summarize_cell(runs: dict) -> dict:
-  """{variant: figures} of one (model, setting): medians over the rounds, paired with sync."""
+  """{variant: figures} of one (model, setting): medians over the rounds, paired with sync. A run
+  that never reached sync's loss counts as infinitely slow in the medians (speedup 0)."""
   sync = {r["round"]: r for r in runs.get("sync", [])}
   out = {}
   for variant, recs in runs.items():
@@ -266,8 +267,8 @@ def summarize_cell(runs: dict) -> dict:
       mine = straggler_lib.time_to_loss([[t, s, l] for t, s, l, _ in r["curve"]], target)
       base = straggler_lib.time_to_loss([[t, s, l] for t, s, l, _ in ref["curve"]], target)
       to_target.append(mine)
-      if mine is not None and base:
-        ratios.append(base / mine)
+      if base:                 # a run that never reached the loss counts as infinitely slow
+        ratios.append(0.0 if mine is None else base / mine)
     losses = [r["final_val_loss"] for r in recs]
     sync_losses = [sync[r["round"]]["final_val_loss"] for r in recs if r["round"] in sync]
     reached = [t for t in to_target if t is not None]
@@ -279,12 +280,20 @@ def summarize_cell(runs: dict) -> dict:
         "final_val_accuracy": float(np.mean([r["final_val_accuracy"] for r in recs])),
         "val_loss_vs_sync": (float(np.mean(losses) / np.mean(sync_losses) - 1)
                              if sync_losses else None),
-        "time_to_sync_loss_s": straggler_lib.median(reached) if reached else None,
+        "time_to_sync_loss_s": _median_or_none(to_target),
         "reached": f"{len(reached)}/{len(to_target)}",
-        "speedup_to_sync_loss": straggler_lib.median(ratios) if ratios else None,
+        "speedup_to_sync_loss": float(np.median(ratios)) if ratios else None,
         "updates": straggler_lib.median([r["updates"] for r in recs]),
     }
   return out
+
+
+def _median_or_none(values) -> float | None:
+  """The median with None (never reached) as infinity; None if that median is infinite."""
+  if not values:
+    return None
+  m = float(np.median([np.inf if v is None else v for v in values]))
+  return None if np.isinf(m) else m
 
 
 def summarize(raw: dict) -> dict:

@@ -41,6 +41,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", sb.ROUNDS, "Seeds (interleaved rounds) 
 _ON = flags.DEFINE_float("on_s", None, "Bursts: seconds on (default 2 quick, 10 full).")
 _OFF = flags.DEFINE_float("off_s", None, "Bursts: seconds off (default 2 quick, 10 full).")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 5400, "Limit for each part.")
+_FROM_RAW = flags.DEFINE_bool("from_raw", False, "Run nothing: summarize --out's raw JSON files "
+                               "again (after a change to the summary).")
 _ROLE = flags.DEFINE_enum("role", "main", ["main", "worker", "emulated"], "Internal.")
 
 
@@ -80,7 +82,7 @@ def main(argv):
           f"--on_s={on_s}", f"--off_s={off_s}"]
   me = os.path.abspath(__file__)
   results, seconds = {"quick": quick}, {}
-  if _MODE.value in ("all", "real"):
+  if _MODE.value in ("all", "real") and not _FROM_RAW.value:
     if len(launch.machine_cores()) < 2:
       raise app.UsageError("the real-contention part needs 2 cores; use --mode=emulated")
     t0 = time.perf_counter()
@@ -90,26 +92,32 @@ def main(argv):
     if not res.ok:
       raise SystemExit(res.failure_message())
     seconds["real"] = time.perf_counter() - t0
-    with open(os.path.join(out, "real_raw.json")) as f:
+  real_raw, emulated_raw = (os.path.join(out, f"{p}_raw.json") for p in ("real", "emulated"))
+  if _MODE.value in ("all", "real") and os.path.exists(real_raw):
+    with open(real_raw) as f:
       raw = json.load(f)
     results["real"] = sb.summarize(raw)
     results["bursts"] = raw["bursts"]
     sb.plot(raw, os.path.join(out, "real.png"), "2 processes x 1 CPU device, competitor on "
             "core 1 (validation loss against training seconds)")
-  if _MODE.value in ("all", "emulated"):
+  if _MODE.value in ("all", "emulated") and not _FROM_RAW.value:
     t0 = time.perf_counter()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     subprocess.run([sys.executable, me, "--role=emulated"] + args, env=env, check=True,
                    timeout=_TIMEOUT.value)
     seconds["emulated"] = time.perf_counter() - t0
-    with open(os.path.join(out, "emulated_raw.json")) as f:
+  if _MODE.value in ("all", "emulated") and os.path.exists(emulated_raw):
+    with open(emulated_raw) as f:
       raw = json.load(f)
     results["emulated"] = sb.summarize(raw)
     results["emulated_settings"] = raw["settings"]
     sb.plot(raw, os.path.join(out, "emulated.png"), "emulated replicas on 8 fake devices "
             "(validation loss against training seconds)")
   results["targets"] = sb.targets(results.get("emulated"), results.get("real"))
+  if _FROM_RAW.value and os.path.exists(os.path.join(out, "results.json")):
+    with open(os.path.join(out, "results.json")) as f:
+      seconds = json.load(f).get("seconds", {})     # what the runs took
   results["seconds"] = seconds
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=1)

@@ -40,6 +40,16 @@ def test_summarize_cell_pairs_every_round_with_sync():
   # 2.0 + 0.5 * (2.3 - 2.2) / (2.3 - 2.15) = 2.333 s; sync took 4 s in both.
   assert s["speedup_to_sync_loss"] == pytest.approx((4 / 2.25 + 4 / (2 + 1 / 3)) / 2)
   assert out["local_sgd"]["reached"] == "0/2" and out["local_sgd"]["time_to_sync_loss_s"] is None
+  assert out["local_sgd"]["speedup_to_sync_loss"] == 0.0
+
+
+def test_a_run_that_never_reached_counts_as_infinitely_slow():
+  runs = {"sync": [rec(r, [[4.0, 100, 2.0, 0.3]]) for r in range(3)],
+          "async": [rec(0, [[1.0, 100, 1.9, 0.3]]), rec(1, [[1.0, 100, 2.5, 0.3]]),
+                    rec(2, [[1.0, 100, 2.5, 0.3]])]}
+  out = sb.summarize_cell(runs)["async"]
+  assert out["reached"] == "1/3" and out["time_to_sync_loss_s"] is None
+  assert out["speedup_to_sync_loss"] == 0.0
 
 
 def test_targets_and_table():
