@@ -19,9 +19,10 @@ frequent traffic); each layout is also tried with its stage order reversed. The 
 partition starts from the min-max partition for the slowest replica of each stage
 (`split.minmax_layers`) and from the even one; the best few candidates over every mesh,
 layout, microbatch size, schedule and sync mode are then improved by moving one layer at a time
-between stages while the predicted step falls. Units and microbatch splits follow the planner's
-exact rules. Nothing here is exhaustive: on clusters small enough, `exact.search` improves on
-it (seeded with its result).
+between stages while the predicted step falls (between any two stages for up to 6 stages,
+else between neighbours and from the busiest stage). Units and microbatch splits follow the
+planner's exact rules. Nothing here is exhaustive: on clusters small enough, `exact.search`
+improves on it (seeded with its result).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ EXHAUSTIVE_REGIONS = 7
 REFINED = 6
 # Rounds of the layer local search (each moves one layer).
 MAX_MOVES = 64
+# Up to this many stages the local search tries every move of a layer between two stages.
+ALL_PAIRS = 6
 
 
 def region_path(cluster: cluster_lib.Cluster, nbytes: float) -> list[int]:
@@ -99,11 +102,20 @@ def starting_layers(gc: evaluate.GridCosts, num_layers: int) -> np.ndarray:
   return np.unique(np.asarray(rows, np.int64), axis=0)
 
 
-def neighbours(layers: np.ndarray) -> np.ndarray:
-  """int [P, S]: the partitions one layer away (one stage gives a layer to another)."""
+def neighbours(layers: np.ndarray, weights: np.ndarray) -> np.ndarray:
+  """int [P, S]: partitions one layer away: any stage gives a layer to any other when there are
+  at most `ALL_PAIRS` stages; beyond, a stage gives one to a neighbouring stage, or the busiest
+  stage (largest layers x `weights`, one layer's time) to any other."""
   s_ = len(layers)
+  if s_ <= ALL_PAIRS:
+    pairs = itertools.permutations(range(s_), 2)
+  else:
+    busiest = int(np.argmax(layers * weights))
+    pairs = {(i, i + d) for i in range(s_) for d in (-1, 1) if 0 <= i + d < s_}
+    pairs |= {(busiest, j) for j in range(s_) if j != busiest}
+    pairs = sorted(pairs)
   out = []
-  for i, j in itertools.permutations(range(s_), 2):
+  for i, j in pairs:
     if layers[i] > 1:
       x = layers.copy()
       x[i] -= 1
@@ -116,8 +128,9 @@ def improve(gc: evaluate.GridCosts, req: request_lib.Request, cand: request_lib.
   """`cand` after moving one layer at a time while the predicted step falls."""
   m_ = req.global_batch // cand.microbatch_size
   layers, value = np.asarray(cand.layers, np.int64), cand.value
+  weights = (4.0 * gc.compute_s + 6.0 * gc.allreduce_s).max(axis=0)
   for _ in range(MAX_MOVES):
-    near = neighbours(layers)
+    near = neighbours(layers, weights)
     if not len(near):
       break
     values = evaluate.assess(gc, req.costs, near, cand.schedule, m_, cand.sync)
