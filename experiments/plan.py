@@ -4,8 +4,11 @@ The model, the global batch and the nominal device rate come from a training con
 `model.*`, `batch_size` and `hetero.device_gflops`); the cluster from --cluster (regions of
 devices) with --intra/--inter or --region_latency_s/--region_bandwidth links, or from
 --cluster_json (per-device speeds, memory and per-pair links, as `Cluster.to_dict` writes them),
-or from the config's `hetero.device_speeds`, `hetero.device_regions`, `hetero.region_latency_s`
-and `hetero.region_bandwidth` where the config has them.
+or from the config's `hetero.device_speeds`, `hetero.links.regions`, `hetero.links.latency_s`,
+`hetero.links.bandwidth` and `hetero.device_memory_gb` where the config sets them (the fields a
+planned training run, `config.plan = "auto"`, emulates). Microbatch sizes and schedules default
+to the config's `planner.microbatch_sizes` (() or absent: every divisor of the global batch)
+and `planner.schedules`.
 
   python experiments/plan.py --config configs/gpt_tiny.py \
       --cluster='4x1.0@16G,4x0.5@16G;8x0.7@8G' --intra=1e-5,2.5e10 --inter=2e-2,1.25e9 \
@@ -17,8 +20,10 @@ and --inter as LATENCY_S,BYTES_PER_S, or R x R matrices as rows separated by ';'
 (--region_latency_s='1e-5,2e-2;2e-2,1e-5').
 
 The plan is printed readably (devices per stage, layers, unit splits, microbatches, the step's
-parts) and written with the request to --out; --baselines adds the Megatron-style, even-pipeline
-and compute-only plans (`semijax.planner.baselines`) and their predicted steps.
+parts) and written to --out: the plan's fields at the top level (what `config.plan = PATH`
+loads), with the request, model, cluster and planner time beside them; --baselines adds the
+Megatron-style, even-pipeline and compute-only plans (`semijax.planner.baselines`) and their
+predicted steps.
 """
 
 import json
@@ -39,6 +44,7 @@ from semijax.planner import costs as costs_lib
 from semijax.planner import plan as plan_lib
 from semijax.planner import search
 from semijax.runtime import cli
+from semijax.train import config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training configuration file (the "
                                           "model, batch_size, hetero.device_gflops).")
@@ -53,8 +59,10 @@ _REGION_BANDWIDTH = flags.DEFINE_string("region_bandwidth", None, "R x R bandwid
 _BATCH = flags.DEFINE_integer("global_batch", None, "Examples per step (default: batch_size).")
 _GFLOPS = flags.DEFINE_float("device_gflops", None, "GFLOP/s at speed 1 (default: the config's "
                              "hetero.device_gflops).")
-_SIZES = flags.DEFINE_list("microbatch_sizes", ["1"], "Examples per microbatch to choose from.")
-_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Pipeline schedules.")
+_SIZES = flags.DEFINE_list("microbatch_sizes", None, "Examples per microbatch to choose from "
+                           "(default: the config's planner.microbatch_sizes).")
+_SCHEDULES = flags.DEFINE_list("schedules", None, "Pipeline schedules (default: the config's "
+                               "planner.schedules, else gpipe and 1f1b).")
 _SYNCS = flags.DEFINE_list("syncs", ["sync"], "Data-parallel sync modes (sync, ssaw, async, "
                            "local_sgd).")
 _METHOD = flags.DEFINE_enum("method", "auto", list(search.METHODS), "Exact, hierarchical or auto.")
@@ -119,14 +127,34 @@ def build_cluster(config) -> cluster_lib.Cluster:
     return cluster_lib.Cluster.two_level(speeds, parse_link(_INTRA.value, "intra"),
                                          parse_link(_INTER.value, "inter"), memory)
   hetero = config.get("hetero", {})
-  if "device_speeds" in hetero:
-    speeds = list(hetero.device_speeds)
-    regions = list(hetero.get("device_regions", ())) or [0] * len(speeds)
-    return cluster_lib.Cluster.from_device_regions(
-        speeds, regions, np.asarray(hetero.region_latency_s, np.float64),
-        np.asarray(hetero.region_bandwidth, np.float64), hetero.get("device_memory", np.inf))
+  if "device_speeds" in hetero and config_lib.parse_numbers(hetero.device_speeds,
+                                                            "config.hetero.device_speeds"):
+    speeds = config_lib.parse_numbers(hetero.device_speeds, "config.hetero.device_speeds")
+    links = hetero.get("links", {})
+    regions = [int(r) for r in config_lib.parse_numbers(links.get("regions", ()),
+                                                        "config.hetero.links.regions")]
+    regions = regions or [0] * len(speeds)
+    count = max(regions) + 1
+    lat = region_matrix(links.get("latency_s", ()), count, "config.hetero.links.latency_s", 0.0)
+    bw = region_matrix(links.get("bandwidth", ()), count, "config.hetero.links.bandwidth", np.inf)
+    memory = float(hetero.get("device_memory_gb", 0.0)) * 1e9 or np.inf
+    return cluster_lib.Cluster.from_device_regions(speeds, regions, lat, bw, memory)
   raise errors.ConfigError("--cluster: describe the cluster (--cluster or --cluster_json); the "
                            "config has no hetero.device_speeds")
+
+
+def region_matrix(value, count: int, field: str, default: float) -> np.ndarray:
+  """A config's region links: () (the default everywhere), (inside, between), or R x R values
+  row by row."""
+  values = config_lib.parse_numbers(value, field)
+  if not values:
+    return np.full((count, count), default)
+  if len(values) == 2:
+    return np.where(np.eye(count, dtype=bool), values[0], values[1])
+  if len(values) != count * count:
+    raise errors.ConfigError(f"{field}: {len(values)} values for {count} regions; give (inside, "
+                             f"between) or {count} x {count} row by row")
+  return np.asarray(values).reshape(count, count)
 
 
 def summary(plan: plan_lib.Plan) -> dict:
@@ -148,18 +176,21 @@ def main(argv):
     costs = costs_lib.ModelCosts.from_spec(spec, gflops)
     cluster = build_cluster(config)
     batch = _BATCH.value or int(config.batch_size)
-    sizes = [int(x) for x in _SIZES.value]
-    args = (costs, cluster, batch, sizes, _SCHEDULES.value, _SYNCS.value)
+    planner_cfg = config.get("planner", {})
+    sizes = [int(x) for x in (_SIZES.value or config_lib.parse_numbers(
+        planner_cfg.get("microbatch_sizes", ()), "config.planner.microbatch_sizes"))]
+    sizes = sizes or [m for m in range(1, batch + 1) if batch % m == 0]
+    schedules = list(_SCHEDULES.value or planner_cfg.get("schedules", ("gpipe", "1f1b")))
+    args = (costs, cluster, batch, sizes, schedules, _SYNCS.value)
     start = time.perf_counter()
     plan = search.plan(*args, method=_METHOD.value)
     seconds = time.perf_counter() - start
     print(f"{cluster.num_devices} devices in {len(set(cluster.regions.tolist()))} regions, "
           f"{len(set(cluster.classes().tolist()))} device classes; planned in {seconds:.2f} s")
     print(plan_lib.describe(plan, cluster.regions, _PIPELINES.value))
-    out = {"plan": plan.to_dict(), "planner_s": seconds, "model": costs.to_dict(),
-           "request": {"global_batch": batch, "microbatch_sizes": sizes,
-                       "schedules": list(_SCHEDULES.value), "syncs": list(_SYNCS.value),
-                       "method": _METHOD.value},
+    out = {**plan.to_dict(), "planner_s": seconds, "model": costs.to_dict(),
+           "request": {"global_batch": batch, "microbatch_sizes": sizes, "schedules": schedules,
+                       "syncs": list(_SYNCS.value), "method": _METHOD.value},
            "cluster": {"devices": cluster.num_devices, "regions": cluster.regions.tolist(),
                        "speeds": cluster.speeds.tolist(), "classes": cluster.classes().tolist()}}
     if _BASELINES.value:

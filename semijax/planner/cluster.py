@@ -29,6 +29,33 @@ def _frozen(x: np.ndarray) -> np.ndarray:
   return x
 
 
+def link_regions(latency_s: np.ndarray, bandwidth: np.ndarray,
+                 nbytes: float = 1e6) -> np.ndarray:
+  """int [D]: regions read off a link matrix: devices i and j are neighbours when their link
+  moves `nbytes` as fast as the fastest link of each; regions are the connected groups (the
+  regions of a cluster whose links come from a region matrix with faster links inside regions;
+  one region when every link is alike). Numbered in order of first device."""
+  n = latency_s.shape[0]
+  t = latency_s + nbytes / bandwidth
+  np.fill_diagonal(t, np.inf)
+  if n == 1:
+    return np.zeros(1, np.int64)
+  best = t.min(axis=1) * (1 + 1e-9)
+  near = (t <= best[:, None]) & (t <= best[None, :])
+  out = np.full(n, -1, np.int64)
+  count = 0
+  for i in range(n):
+    if out[i] >= 0:
+      continue
+    out[i], frontier = count, np.array([i])
+    while frontier.size:
+      new = np.flatnonzero(near[frontier].any(axis=0) & (out < 0))
+      out[new] = count
+      frontier = new
+    count += 1
+  return out
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Cluster:
   """D devices and their links (see module doc).
@@ -38,7 +65,9 @@ class Cluster:
     memory: float [D] bytes each device can hold (> 0; inf for unbounded).
     latency_s: float [D, D] link latency in seconds (>= 0, symmetric).
     bandwidth: float [D, D] link bandwidth in bytes/s (> 0, symmetric; inf for a free link).
-    regions: int [D] the region of each device (for reports; 0 when built per pair).
+    regions: int [D] the region of each device (the hierarchical search lays pipelines out
+      along regions; reports show them). When not given: the groups of devices joined by
+      their fastest links (`link_regions`).
   """
 
   speeds: np.ndarray
@@ -70,11 +99,14 @@ class Cluster:
       if not np.array_equal(x, x.T):
         raise errors.ConfigError(f"cluster.{name}: the matrix must be symmetric")
       object.__setattr__(self, name, _frozen(x))
-    regions = np.zeros(n, np.int64) if self.regions is None else np.asarray(self.regions)
+    if self.regions is None:
+      regions = link_regions(self.latency_s, self.bandwidth)
+    else:
+      regions = np.asarray(self.regions)
     if regions.shape != (n,) or regions.dtype.kind not in "iu" or np.any(regions < 0):
       raise errors.ConfigError(f"cluster.regions: need one region index >= 0 per device, got "
                                f"{regions.tolist()}")
-    regions = regions.astype(np.int64)
+    regions = regions.astype(np.int64).copy()
     regions.flags.writeable = False
     object.__setattr__(self, "speeds", speeds)
     object.__setattr__(self, "memory", _frozen(memory))

@@ -85,3 +85,12 @@ def test_bad_clusters_name_the_field(kw, field):
     cluster_lib.Cluster(**args)
   with pytest.raises(errors.ConfigError, match="region_latency_s"):
     cluster_lib.Cluster.from_regions([[1.0], [1.0]], np.zeros((3, 3)), np.ones((2, 2)))
+
+
+def test_regions_read_off_the_links():
+  c = cluster_lib.Cluster.two_level([[1.0, 0.5, 0.5], [1.0], [0.7, 0.7]], intra=(1e-6, 1e10),
+                                    inter=(1e-3, 1e8))
+  bare = cluster_lib.Cluster(c.speeds, c.memory, c.latency_s, c.bandwidth)
+  np.testing.assert_array_equal(bare.regions, c.regions)
+  alike = cluster_lib.Cluster(np.ones(4), np.inf, np.full((4, 4), 1e-6), np.full((4, 4), 1e9))
+  np.testing.assert_array_equal(alike.regions, np.zeros(4))
