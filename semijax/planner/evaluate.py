@@ -210,23 +210,24 @@ def pipeline_seconds(gc: GridCosts, costs: costs_lib.ModelCosts, layers, schedul
   return float(masked_step_time(masks, f, b, gc.send_s[pipeline]))
 
 
-def pipeline_table(gc: GridCosts, costs: costs_lib.ModelCosts, partitions: np.ndarray,
-                   schedule: str, max_microbatches: int) -> np.ndarray:
-  """float [P, R, K]: every pipeline's seconds with m = 1..K microbatches, for each partition
-  [P, S] (inf where a device cannot hold it). Pipelines of one type are priced once."""
+def pipeline_times(gc: GridCosts, costs: costs_lib.ModelCosts, partitions: np.ndarray,
+                   schedule: str, num_microbatches: int) -> np.ndarray:
+  """float [P, R]: every pipeline's seconds with `num_microbatches`, for each partition [P, S]
+  (inf where a device cannot hold it). Pipelines of one type are priced once."""
   partitions = np.asarray(partitions, np.float64)
-  s_ = gc.grid.shape[1]
   first, inverse = gc.type_first, gc.type_of
   f, b = gc.stage_seconds(partitions)                                      # [P, R, S]
-  f, b, send = f[:, first], b[:, first], gc.send_s[first]
-  params = gc.param_counts(partitions, costs)
-  out = np.empty((len(partitions), len(first), max_microbatches))
-  for m in range(1, max_microbatches + 1):
-    masks = tick_masks(schedule, s_, m)
-    t = masked_step_time(masks, f, b, send)                                # [P, R']
-    ok = gc.fits(params, masks[2])[:, first]
-    out[..., m - 1] = np.where(ok, t, np.inf)
-  return out[:, inverse]
+  masks = tick_masks(schedule, gc.grid.shape[1], num_microbatches)
+  t = masked_step_time(masks, f[:, first], b[:, first], gc.send_s[first])  # [P, R']
+  ok = gc.fits(gc.param_counts(partitions, costs), masks[2])[:, first]
+  return np.where(ok, t, np.inf)[:, inverse]
+
+
+def pipeline_table(gc: GridCosts, costs: costs_lib.ModelCosts, partitions: np.ndarray,
+                   schedule: str, max_microbatches: int) -> np.ndarray:
+  """float [P, R, K]: `pipeline_times` with m = 1..K microbatches."""
+  return np.stack([pipeline_times(gc, costs, partitions, schedule, m)
+                   for m in range(1, max_microbatches + 1)], axis=-1)
 
 
 def assess(gc: GridCosts, costs: costs_lib.ModelCosts, partitions: np.ndarray, schedule: str,
@@ -249,7 +250,7 @@ def assess(gc: GridCosts, costs: costs_lib.ModelCosts, partitions: np.ndarray, s
                      for layers in partitions]) + ar
   if m_ % r_:
     return np.full(len(partitions), np.inf)
-  replica = pipeline_table(gc, costs, partitions, schedule, m_ // r_)[..., -1]   # [P, R]
+  replica = pipeline_times(gc, costs, partitions, schedule, m_ // r_)        # [P, R]
   out = np.full(len(partitions), np.inf)
   for i in range(len(partitions)):
     if np.all(np.isfinite(replica[i])):
