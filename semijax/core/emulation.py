@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Sequence
 
 import numpy as np
 
+from semijax.core import schedule as schedule_lib
 from semijax.errors import ConfigError
 
 # Backward costs about twice the forward: a delay charged for the forward alone is three times it.
@@ -115,3 +117,115 @@ class Emulator:
     if seconds > 0:
       time.sleep(seconds)
 
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Devices:
+  """Emulated devices and links of a pipelined run (`config.hetero.device_speeds`, `.links`).
+
+  Attributes:
+    speeds: float [N] relative speed of each device, by device id (1 = `device_gflops`).
+    latency_s: float [N, N] link latency in seconds between two devices (diagonal unused).
+    bandwidth: float [N, N] link bandwidth in bytes/s (inf: a free link).
+  """
+
+  speeds: np.ndarray
+  latency_s: np.ndarray
+  bandwidth: np.ndarray
+
+  @classmethod
+  def from_regions(cls, speeds, regions, region_latency_s, region_bandwidth) -> "Devices":
+    """Devices with a region index each; links from R x R region matrices (diagonal: inside a
+    region)."""
+    regions = np.asarray(regions, np.int64)
+    lat = np.asarray(region_latency_s, np.float64)[np.ix_(regions, regions)]
+    bw = np.asarray(region_bandwidth, np.float64)[np.ix_(regions, regions)]
+    return cls(np.asarray(speeds, np.float64), lat, bw)
+
+  def group_link(self, devices) -> tuple[float, float]:
+    """(latency, bandwidth) of the slowest link among `devices` (0, inf for one device)."""
+    d = np.asarray(devices).reshape(-1)
+    if d.size < 2:
+      return 0.0, math.inf
+    off = ~np.eye(d.size, dtype=bool)
+    return (float(self.latency_s[np.ix_(d, d)][off].max()),
+            float(self.bandwidth[np.ix_(d, d)][off].min()))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelineEmulator:
+  """The emulated time of a pipelined step (`core.pipeline`) on unequal devices and links.
+
+  Per data-parallel pipeline d and stage p, one layer's forward of one microbatch takes the
+  slowest tensor device's time, sum_k unit_ms[k] x (the width it executes) / speed, plus two
+  tensor all-reduces of the microbatch's activations over the group's slowest link
+  (`schedule.allreduce_s`); `schedule.stage_seconds` makes the stage's forward and backward of
+  it, and each boundary transfer is `schedule.send_s` over the slowest of its links (tensor
+  position t of stage p to position t of stage p + 1). The pipeline takes
+  `schedule.step_time` of its tick table. After the last tick the step all-reduces every
+  gradient: the stacked block parameters over `data` and the replicated ones (embedding, final
+  norm, head) over `pipe` and then `data`, each a ring over the slowest link it crosses. The
+  step lasts as long as the slowest pipeline plus the slowest of those all-reduces.
+
+  Attributes:
+    devices: speeds and links by device id.
+    grid: int [D, P, T] the device id at each mesh position.
+    unit_ms: {kind: forward milliseconds of one unit in one layer for one microbatch at speed 1}.
+    activation_bytes: bytes of one microbatch's activations at a layer boundary.
+    stack_bytes: bytes of one device's block parameters (its padded local shard).
+    shared_bytes: bytes of the replicated parameters.
+    schedule: the tick tables' schedule.
+  """
+
+  devices: Devices
+  grid: np.ndarray
+  unit_ms: dict
+  activation_bytes: float
+  stack_bytes: float
+  shared_bytes: float
+  schedule: str
+
+  def step(self, layers, executed: Sequence[dict], microbatches: Sequence[int]) -> dict:
+    """The emulated seconds of a step and their parts.
+
+    Args:
+      layers: [P] layers each stage runs.
+      executed: per stage, {kind: [T] the width each tensor device executes}.
+      microbatches: [D] microbatches of each pipeline.
+
+    Returns:
+      {"step_s", "pipeline_s": [D], "bubble": the slowest pipeline's idle share,
+       "transfer_s": its boundary transfers, "allreduce_s": the gradient all-reduces}.
+    """
+    v, dev = self.devices.speeds, self.devices
+    r_, s_, t_ = self.grid.shape
+    act = self.activation_bytes
+    pipelines, bubbles, transfers = [], [], []
+    for d in range(r_):
+      c, a = np.zeros(s_), np.zeros(s_)
+      send = np.zeros(max(s_ - 1, 0))
+      for p in range(s_):
+        ids = self.grid[d, p]
+        c[p] = max(sum(self.unit_ms[k] * float(w[t]) for k, w in executed[p].items()) / v[i]
+                   for t, i in enumerate(ids)) * 1e-3
+        a[p] = schedule_lib.allreduce_s(act, t_, *dev.group_link(ids))
+        if p < s_ - 1:
+          send[p] = max(schedule_lib.send_s(act, dev.latency_s[i, j], dev.bandwidth[i, j])
+                        for i, j in zip(ids, self.grid[d, p + 1]))
+      tab = schedule_lib.table(self.schedule, s_, int(microbatches[d]))
+      f, b = schedule_lib.stage_seconds(layers, c, a)
+      total = schedule_lib.step_time(tab, f, b, send, send)
+      pipelines.append(total)
+      bubbles.append(schedule_lib.bubble(tab, f, b))
+      transfers.append(total - schedule_lib.step_time(tab, f, b, 0 * send, 0 * send))
+    ring = lambda nbytes, ids: schedule_lib.allreduce_s(nbytes, len(ids), *dev.group_link(ids))
+    allreduce = 0.0
+    for t in range(t_):
+      over_pipe = max(ring(self.shared_bytes, self.grid[d, :, t]) for d in range(r_))
+      over_data = max(ring(self.shared_bytes, self.grid[:, p, t]) for p in range(s_))
+      stack = max(ring(self.stack_bytes, self.grid[:, p, t]) for p in range(s_))
+      allreduce = max(allreduce, over_pipe + over_data + stack)
+    worst = int(np.argmax(pipelines))
+    return {"step_s": float(max(pipelines) + allreduce),
+            "pipeline_s": [float(x) for x in pipelines], "bubble": float(bubbles[worst]),
+            "transfer_s": float(transfers[worst]), "allreduce_s": float(allreduce)}

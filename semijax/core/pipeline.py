@@ -166,7 +166,7 @@ class PipePlan:
   widths: tuple
 
 
-# --- the engine -------------------------------------------------------------------------------------
+# --- the engine ---------------------------------------------------------------------------------
 
 
 def _without_blocks(tree: dict) -> dict:
@@ -426,7 +426,9 @@ class PipelineEngine:
       start += m * mb
     arranged = {k: np.concatenate(v) for k, v in out.items()}
     arranged[weights_key] = np.concatenate(weights)
-    return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding), arranged)
+    # Every process holds the whole arranged batch and places the rows its devices hold.
+    return jax.tree.map(lambda x: jax.make_array_from_callback(
+        x.shape, self.batch_sharding, lambda index, x=x: x[index]), arranged)
 
   @staticmethod
   def _target_key(batch) -> str:
@@ -481,8 +483,10 @@ class PipelineEngine:
 
     probe = _vary(jnp.zeros_like(self._shared_model(shared).stem(pick(0)[self.input_key])),
                   (DATA, PIPE))
-    slots = int(schedule_lib.in_flight(np.asarray(schedule_lib.table(
-        self.schedule, self.stages, m_count))).max()) if train else 1
+    # Stash slots: the most microbatches a stage holds between ticks (at least the one a
+    # single stage's backward reads in its forward's tick).
+    slots = max(1, int(schedule_lib.in_flight(np.asarray(schedule_lib.table(
+        self.schedule, self.stages, m_count))).max())) if train else 1
     zeros_grads = lambda t: jax.tree.map(jnp.zeros_like, t)
     carry = {"x": probe, "g": probe, "stash": jnp.stack([probe] * slots),
              "terms": zero_terms(probe)}

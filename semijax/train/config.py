@@ -16,10 +16,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import math
 import numbers
 import os
 
 import ml_collections
+import numpy as np
 
 from semijax import models
 from semijax.balance import policies as policies_lib
@@ -29,6 +31,7 @@ from semijax.core import emulation
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import resize as resize_lib
+from semijax.core import schedule as schedule_lib
 from semijax.core import spec as spec_lib
 from semijax.errors import ConfigError
 from semijax.errors import LayoutError
@@ -51,6 +54,28 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1                  # Data-parallel replicas (batch split).
   c.mesh.tensor = 8                # Tensor-parallel devices (uneven units).
+  c.mesh.pipe = 1                  # Pipeline stages between them (core.pipeline); 1 = none.
+
+  # Pipelined runs (mesh.pipe > 1 or a plan): PatchPipe (semijax.core.pipeline).
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.schedule = "1f1b"     # gpipe | 1f1b
+  # Microbatches of each data-parallel pipeline: one count for all, or one per pipeline ("3,1":
+  # the first takes three quarters of the global batch). Microbatches are equal in size.
+  c.pipeline.microbatches = ml_collections.FieldReference(1, field_type=object)
+  # Layers per stage: "even" or counts ("3,5"), in stage order.
+  c.pipeline.layers = ml_collections.FieldReference("even", field_type=object)
+  c.pipeline.layer_capacity = 0    # Layer slots compiled per stage; 0 = the most any stage holds.
+  # With mesh.pipe > 1, layout.mlp / layout.heads give either one count per tensor device (every
+  # stage alike) or pipe x tensor counts, stage by stage.
+
+  # The partition and placement planner (semijax.planner): "" = the mesh, pipeline and layout
+  # above; "auto" = plan over all devices from the model, hetero.device_speeds and hetero.links
+  # (experiments/plan.py prints it); or the path of a plan's JSON (experiments/plan.py --out).
+  c.plan = ""
+  c.planner = ml_collections.ConfigDict()
+  # Examples per microbatch to choose from ("2,4" or a tuple); () = every divisor of batch_size.
+  c.planner.microbatch_sizes = ml_collections.FieldReference((), field_type=object)
+  c.planner.schedules = ("gpipe", "1f1b")
 
   c.layout = ml_collections.ConfigDict()
   # "even" or owned units per tensor device: a tuple, or "30,30,8,30" (typed `object` so that
@@ -63,9 +88,21 @@ def base_config() -> ml_collections.ConfigDict:
   c.hetero.slowdown = ()           # Per tensor device slowdown factors; () = no emulation.
   c.hetero.device_gflops = 2.0     # Emulated FLOP rate of a nominal device (GFLOP/s).
   c.hetero.rotate_every = 0        # Steps between shifts of the slowdown profile by one device
-                                   # ((8,1,...,1) rotating = the authors' dynamic straggler); 0 = static.
+                                   # ((8,1,...,1) rotating = the authors' dynamic
+                                   # straggler); 0 = static.
   c.hetero.replica_slowdown = ()   # Per data replica slowdown factors (x its tensor group's
                                    # emulated time); () = none. A sync step waits for the slowest.
+  # Pipelined and planned runs: emulated devices and links (core.emulation.PipelineEmulator).
+  # Relative speed of every device, by device id ("1,1,.5,.5" or a tuple); () = none.
+  c.hetero.device_speeds = ml_collections.FieldReference((), field_type=object)
+  c.hetero.device_memory_gb = 0.0  # Memory of every device for the planner; 0 = unbounded.
+  c.hetero.links = ml_collections.ConfigDict()
+  # Region of every device, by id ("0,0,1,1" or a tuple); () = all in region 0.
+  c.hetero.links.regions = ml_collections.FieldReference((), field_type=object)
+  # Region-to-region links: R x R values row by row, or (inside, between) for every region pair;
+  # the diagonal is the link inside a region. () = latency 0 / unbounded bandwidth.
+  c.hetero.links.latency_s = ml_collections.FieldReference((), field_type=object)
+  c.hetero.links.bandwidth = ml_collections.FieldReference((), field_type=object)    # bytes/s
 
   # Balancing (semijax.balance; BalanceSettings documents every field): who computes how much.
   c.balance = ml_collections.ConfigDict()
@@ -169,7 +206,8 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     try:
       out[key] = kind(value)
     except ValueError:
-      raise ConfigError(f"config argument: option {key}={value!r} is not a {kind.__name__}") from None
+      raise ConfigError(f"config argument: option {key}={value!r} is not a "
+                        f"{kind.__name__}") from None
   return out
 
 
@@ -216,6 +254,39 @@ class RunConfig:
   data: data_lib.DataSpec
   source: dict = dataclasses.field(compare=False, repr=False)
   sync: sync_settings_lib.SyncSettings = sync_settings_lib.SyncSettings()
+  pipeline: "PipelineSpec | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+  """A pipelined or planned run (`config.pipeline`, `config.plan`, `config.planner`,
+  `hetero.device_speeds`, `hetero.links`); `RunConfig.pipeline` is None for other runs.
+
+  Attributes:
+    schedule: "gpipe" or "1f1b".
+    microbatches: microbatches per data-parallel pipeline (len mesh.data).
+    layers: "even" or layers per stage (len mesh.pipe).
+    layer_capacity: layer slots compiled per stage (0: the most any stage holds).
+    mlp, heads: "even", or per stage a tuple of units per tensor device.
+    num_widths: compute widths compiled per kind (`layout.num_widths`).
+    plan: "", "auto" or the path of a plan's JSON.
+    microbatch_sizes, schedules: the planner's choices (() sizes: every divisor of the batch).
+    devices: the emulated speeds and links (`core.emulation.Devices`), or None.
+    memory_gb: memory of every device for the planner (0: unbounded).
+  """
+
+  schedule: str
+  microbatches: tuple[int, ...]
+  layers: object
+  layer_capacity: int
+  mlp: object
+  heads: object
+  num_widths: int
+  plan: str = ""
+  microbatch_sizes: tuple[int, ...] = ()
+  schedules: tuple[str, ...] = ("gpipe", "1f1b")
+  devices: emulation.Devices | None = None
+  memory_gb: float = 0.0
 
 
 def _check_keys(node, schema: dict, prefix: str) -> None:
@@ -314,10 +385,13 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   _int(config.seed, "seed", 0)
   _int(config.checkpoint_every, "checkpoint_every", 0)
   mesh = mesh_lib.MeshSpec(_int(config.mesh.data, "mesh.data"),
-                           _int(config.mesh.tensor, "mesh.tensor"))
-  if num_devices is not None and mesh.size > num_devices:
-    raise ConfigError(f"config.mesh: data * tensor = {mesh.data} * {mesh.tensor} devices, but "
-                      f"only {num_devices} are available")
+                           _int(config.mesh.tensor, "mesh.tensor"), _int(config.mesh.pipe,
+                                                                          "mesh.pipe"))
+  if num_devices is not None and mesh.size > num_devices and not config.plan:
+    raise ConfigError(f"config.mesh: data * pipe * tensor = {mesh.data} * {mesh.pipe} * "
+                      f"{mesh.tensor} devices, but only {num_devices} are available")
+  if mesh.pipe > 1 or config.plan:
+    return _pipelined(config, spec, mesh, num_devices, process_count)
   if config.batch_size % (mesh.data * process_count):
     raise ConfigError(f"config.batch_size: {config.batch_size} is not divisible by mesh.data "
                       f"* processes = {mesh.data} * {process_count}")
@@ -343,6 +417,165 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
                    sync=sync)
+
+
+PIPELINE_POLICIES = ("even", "static")
+
+
+def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
+               num_devices: int | None, process_count: int) -> RunConfig:
+  """`validate` for a pipelined or planned run (mesh.pipe > 1 or config.plan): what such a run
+  reads, and the features it does not combine with."""
+  plan = config.plan
+  if not isinstance(plan, str) or (plan not in ("", "auto") and not os.path.isfile(plan)):
+    raise ConfigError(f"config.plan: {plan!r} is not '', 'auto' or an existing plan file "
+                      "(experiments/plan.py --out)")
+  refused = (("hetero.slowdown", config.hetero.slowdown, "hetero.device_speeds"),
+             ("hetero.replica_slowdown", config.hetero.replica_slowdown, "hetero.device_speeds"),
+             ("resize.keep", config.resize.keep, None),
+             ("resize.straggler", config.resize.straggler, None))
+  for name, value, instead in refused:
+    if value not in ((), "", None):
+      hint = f"; use config.{instead}" if instead else ""
+      raise ConfigError(f"config.{name}: pipelined and planned runs (mesh.pipe > 1 or "
+                        f"config.plan) do not take it{hint}")
+  if config.balance.policy not in PIPELINE_POLICIES:
+    raise ConfigError(f"config.balance.policy: pipelined and planned runs use the fixed layout of "
+                      f"their config or plan (policies {list(PIPELINE_POLICIES)}), not "
+                      f"{config.balance.policy!r}")
+  if config.sync.mode != "sync":
+    raise ConfigError(f"config.sync.mode: pipelined and planned runs combine their pipelines "
+                      f"synchronously ('sync'), not {config.sync.mode!r}")
+  schedule = config.pipeline.schedule
+  if schedule not in schedule_lib.SCHEDULES:
+    raise ConfigError(f"config.pipeline.schedule: {schedule!r} is not one of "
+                      f"{list(schedule_lib.SCHEDULES)}")
+  micro = tuple(_int(m, "pipeline.microbatches") for m in parse_numbers_int(
+      config.pipeline.microbatches, "config.pipeline.microbatches"))
+  if len(micro) == 1:
+    micro = micro * mesh.data
+  if len(micro) != mesh.data and not plan:
+    raise ConfigError(f"config.pipeline.microbatches: {micro} for mesh.data = {mesh.data} "
+                      "pipelines; give one count or one per pipeline")
+  if not plan and config.batch_size % sum(micro):
+    raise ConfigError(f"config.batch_size: {config.batch_size} examples do not split into "
+                      f"{sum(micro)} microbatches of one size (pipeline.microbatches {micro})")
+  layers = parse_counts(config.pipeline.layers, "config.pipeline.layers")
+  if layers != "even" and not plan and (len(layers) != mesh.pipe or min(layers) < 1
+                                        or sum(layers) != spec.num_layers):
+    raise ConfigError(f"config.pipeline.layers: {layers} must give each of the mesh.pipe = "
+                      f"{mesh.pipe} stages at least one layer and sum to model.num_layers = "
+                      f"{spec.num_layers}")
+  if mesh.pipe > spec.num_layers:
+    raise ConfigError(f"config.mesh.pipe: {mesh.pipe} stages for {spec.num_layers} layers")
+  capacity = _int(config.pipeline.layer_capacity, "pipeline.layer_capacity", 0)
+  units = {}
+  for kind, total in (("mlp", spec.d_ff), ("heads", spec.num_heads)):
+    counts = parse_counts(config.layout[kind], f"config.layout.{kind}")
+    if counts != "even" and not plan:
+      if len(counts) == mesh.tensor:
+        counts = (counts,) * mesh.pipe
+      elif len(counts) == mesh.tensor * mesh.pipe:
+        counts = tuple(counts[p * mesh.tensor:(p + 1) * mesh.tensor] for p in range(mesh.pipe))
+      else:
+        raise ConfigError(f"config.layout.{kind}: {len(counts)} counts; give mesh.tensor = "
+                          f"{mesh.tensor} (every stage alike) or pipe x tensor = "
+                          f"{mesh.pipe * mesh.tensor}")
+      for p, c in enumerate(counts):
+        if sum(c) != total or min(c) < 1:
+          raise ConfigError(f"config.layout.{kind}: stage {p} has counts {c}; each must be >= 1 "
+                            f"and they must sum to the model's {total}")
+    units[kind] = counts
+  devices = _devices(config.hetero, mesh, num_devices, bool(plan))
+  g = config.hetero.device_gflops
+  if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0:
+    raise ConfigError(f"config.hetero.device_gflops: must be a positive number, got {g!r}")
+  memory = config.hetero.device_memory_gb
+  if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory >= 0:
+    raise ConfigError(f"config.hetero.device_memory_gb: must be a number >= 0, got {memory!r}")
+  sizes = tuple(_int(m, "planner.microbatch_sizes") for m in parse_numbers_int(
+      config.planner.microbatch_sizes, "config.planner.microbatch_sizes"))
+  bad = [m for m in sizes if config.batch_size % m]
+  if bad:
+    raise ConfigError(f"config.planner.microbatch_sizes: {bad} do not divide batch_size = "
+                      f"{config.batch_size}")
+  schedules = tuple(config.planner.schedules)
+  if not schedules or any(x not in schedule_lib.SCHEDULES for x in schedules):
+    raise ConfigError(f"config.planner.schedules: need a non-empty subset of "
+                      f"{list(schedule_lib.SCHEDULES)}, got {schedules}")
+  pipeline = PipelineSpec(schedule, micro, layers, capacity, units["mlp"], units["heads"],
+                          _int(config.layout.num_widths, "layout.num_widths"), plan, sizes,
+                          schedules, devices, float(memory))
+  o = config.optimizer
+  optimizer = optimizer_lib.OptimizerSpec(o.learning_rate, o.warmup_steps, o.weight_decay, o.b1,
+                                          o.b2, o.grad_clip, o.schedule_steps).validate()
+  layout = layout_lib.Layout.for_model(d_model=spec.d_model, num_heads=spec.num_heads,
+                                       d_ff=spec.d_ff, num_devices=1)
+  hetero = emulation.Hetero(None, float(g), 0)
+  resize = resize_spec_lib.ResizeSpec().validate(1)
+  known = {f.name for f in dataclasses.fields(settings_lib.BalanceSettings)}
+  balance = settings_lib.BalanceSettings(**{k: v for k, v in config.balance.items()
+                                            if k in known}).validate(policies_lib.REGISTRY)
+  return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
+                   config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
+                   spec, layout, hetero, resize, balance, optimizer,
+                   data_lib.DataSpec.from_config(config), config.to_dict(), pipeline=pipeline)
+
+
+def parse_numbers_int(value, field: str) -> tuple[int, ...]:
+  """`parse_numbers` for counts: every value a whole number."""
+  out = parse_numbers(value, field)
+  if any(v != int(v) for v in out):
+    raise ConfigError(f"{field}: {value!r} is not a list of whole numbers")
+  return tuple(int(v) for v in out)
+
+
+def _region_matrix(value, regions: int, field: str, default: float, positive: bool):
+  """(inside, between) or R x R values row by row -> a symmetric float [R, R] matrix."""
+  values = parse_numbers(value, field)
+  if not values:
+    return np.full((regions, regions), default)
+  if len(values) == 2:
+    m = np.where(np.eye(regions, dtype=bool), values[0], values[1])
+  elif len(values) == regions * regions:
+    m = np.asarray(values).reshape(regions, regions)
+  else:
+    raise ConfigError(f"{field}: {len(values)} values for {regions} regions; give (inside, "
+                      f"between) or {regions} x {regions} = {regions * regions} row by row")
+  if np.any(np.isnan(m)) or np.any(m <= 0 if positive else m < 0) or not np.array_equal(m, m.T):
+    raise ConfigError(f"{field}: need a symmetric matrix of {'positive' if positive else '>= 0'}"
+                      f" values, got {m.tolist()}")
+  return m
+
+
+def _devices(h, mesh: mesh_lib.MeshSpec, num_devices: int | None,
+             planned: bool) -> emulation.Devices | None:
+  """`hetero.device_speeds` and `hetero.links` -> emulated `Devices`, or None when neither is
+  set."""
+  speeds = parse_numbers(h.device_speeds, "config.hetero.device_speeds")
+  regions = parse_numbers_int(h.links.regions, "config.hetero.links.regions")
+  links = [parse_numbers(h.links[k], f"config.hetero.links.{k}") for k in ("latency_s",
+                                                                          "bandwidth")]
+  if not speeds and not regions and not any(links):
+    return None
+  n = mesh.size if not planned else (num_devices or len(speeds) or len(regions))
+  if planned and num_devices is not None and speeds and len(speeds) != num_devices:
+    raise ConfigError(f"config.hetero.device_speeds: {len(speeds)} speeds, but the planner "
+                      f"places all {num_devices} devices")
+  speeds = speeds or (1.0,) * n
+  regions = regions or (0,) * n
+  for name, got in (("device_speeds", speeds), ("links.regions", regions)):
+    if len(got) != n:
+      raise ConfigError(f"config.hetero.{name}: {len(got)} values for the run's {n} devices "
+                        "(one per device id)")
+  if any(not math.isfinite(v) or v <= 0 for v in speeds):
+    raise ConfigError(f"config.hetero.device_speeds: need positive finite speeds, got {speeds}")
+  if min(regions) < 0:
+    raise ConfigError(f"config.hetero.links.regions: need indices >= 0, got {regions}")
+  r = max(regions) + 1
+  lat = _region_matrix(h.links.latency_s, r, "config.hetero.links.latency_s", 0.0, False)
+  bw = _region_matrix(h.links.bandwidth, r, "config.hetero.links.bandwidth", math.inf, True)
+  return emulation.Devices.from_regions(speeds, regions, lat, bw)
 
 
 # Balancing policies whose steps a replica mode can run: they change no layout while training

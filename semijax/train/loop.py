@@ -38,14 +38,12 @@ from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
+from semijax.train import pipelined
 from semijax.train import replica_loop
 from semijax.train import replica_processes
 
 
-def say(message: str) -> None:
-  """A console line for the user (process 0 only)."""
-  if jax.process_index() == 0:
-    print(message, flush=True)
+say = metrics_lib.say
 
 
 def build_engine(run: config_lib.RunConfig) -> engine_lib.Engine:
@@ -94,6 +92,11 @@ def _restore_or_init(engine, ckpt, run: config_lib.RunConfig, layout):
     raise ConfigError(
         f"config.model: the checkpoint at step {step} in {ckpt.directory} was trained with model "
         f"{meta.get('model')}, not {run.model.to_dict()}; use another --workdir")
+  if "pipe" in meta:
+    raise ConfigError(
+        f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved by a "
+        f"pipelined run on {meta['pipe']} stages; it restores onto a pipelined run with as many "
+        "stages (use another --workdir)")
   abstract = engine.abstract_logical()
   logical, meta = ckpt.restore(abstract, step)
   say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with MLP units "
@@ -153,6 +156,8 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     FloatingPointError: a NaN or infinite loss (the last good checkpoint stays intact).
   """
   run = config_lib.validate(config, jax.device_count(), jax.process_count())
+  if run.pipeline is not None:
+    return pipelined.train(run, workdir, after_warmup=after_warmup)
   feed_index, feeds = mesh_lib.batch_feed(run.mesh.make())
   dataset = data_lib.build(run.data, feed_index, feeds)
   engine = _cached_engine(run, engine_cache)

@@ -11,7 +11,8 @@ A run resumed from a checkpoint at step k passes `resume_step=k`: the JSONL line
 (which the run will redo) are dropped, and TensorBoard is told to purge its events of steps > k.
 
 `read_jsonl` and `read_tensorboard` read both back (the latter parses the TFRecord framing itself,
-so it needs no TensorFlow either). `Progress` formats a one-line report with throughput and ETA.
+so it needs no TensorFlow either). `Progress` formats a one-line report with throughput and ETA;
+`say` prints a console line for the user.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ JSONL_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
 TENSORBOARD_DIR = "tensorboard"
 EVENT_FILE_MARKER = "events.out.tfevents."
+
+
+def say(message: str) -> None:
+  """A console line for the user (process 0 only): progress, decisions, results."""
+  if jax.process_index() == 0:
+    print(message, flush=True)
 
 
 # --- writing ------------------------------------------------------------------------------------

@@ -1,0 +1,97 @@
+"""Pipelined and planned runs through the training entry (`train.pipelined`).
+
+A pipelined run computes the same updates as an unpipelined one (its losses match step for
+step), resumes exactly from its checkpoints but refuses one saved on another number of stages,
+checks its config before compiling, and its emulated step is the planner's predicted step for
+the plan it runs.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import helpers as H
+from semijax.errors import ConfigError
+from semijax.train import config as config_lib
+from semijax.train import loop as train
+
+SPEEDS = (1, 1, 1, 1, .5, .5, .5, .5)
+REGIONS = (0, 0, 0, 0, 1, 1, 1, 1)
+
+
+def set_field(c, key: str, value) -> None:
+  """c["a.b.c"] = value."""
+  *path, leaf = key.split(".")
+  for part in path:
+    c = c[part]
+  c[leaf] = value
+
+
+def tiny(steps=3, **fields):
+  c = H.tiny_gpt(tensor=2, steps=steps)
+  c.model.num_layers = 4
+  c.checkpoint_every = 2
+  for key, value in fields.items():
+    set_field(c, key, value)
+  return c
+
+
+def with_links(c):
+  c.hetero.device_speeds = SPEEDS
+  c.hetero.links.regions = REGIONS
+  c.hetero.links.latency_s = (1e-4, 1e-3)
+  c.hetero.links.bandwidth = (1e9, 1e8)
+  c.hetero.device_gflops = 50.0
+  return c
+
+
+def test_pipelined_run_matches_the_unpipelined_run(tmp_path):
+  flat = train.train_and_evaluate(tiny(), str(tmp_path / "flat"))
+  c = tiny(**{"mesh.data": 2, "mesh.pipe": 2, "pipeline.microbatches": "3,1",
+              "pipeline.layers": "1,3", "pipeline.schedule": "gpipe",
+              "layout.mlp": "40,24,10,54", "layout.heads": "5,3,2,6"})
+  piped = train.train_and_evaluate(c, str(tmp_path / "piped"))
+  np.testing.assert_allclose(piped["losses"], flat["losses"], rtol=2e-5)
+  np.testing.assert_allclose(piped["val/loss"], flat["val/loss"], rtol=2e-5)
+  plan = json.load(open(tmp_path / "piped" / "plan.json"))
+  assert plan["stage_layers"] == [1, 3] and plan["microbatches"] == [3, 1]
+  assert plan["stage_units"][1] == {"mlp": [10, 54], "heads": [2, 6]}
+
+
+def test_resume_continues_exactly_and_refuses_another_stage_count(tmp_path):
+  piped = {"mesh.pipe": 2, "optimizer.schedule_steps": 4}     # one schedule for every part
+  whole = train.train_and_evaluate(tiny(steps=4, **piped), str(tmp_path / "whole"))
+  workdir = str(tmp_path / "parts")
+  train.train_and_evaluate(tiny(steps=2, **piped), workdir)
+  resumed = train.train_and_evaluate(tiny(steps=4, **piped), workdir)
+  assert resumed["start_step"] == 2
+  np.testing.assert_allclose(resumed["losses"], whole["losses"][2:], rtol=1e-6)
+  saved = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+  with pytest.raises(ConfigError, match="config.mesh.pipe: .* on 2 stages, this run has 4"):
+    train.train_and_evaluate(tiny(steps=6, **{"mesh.pipe": 4, "mesh.tensor": 2}), workdir)
+  with pytest.raises(ConfigError, match="config.mesh.pipe: .* pipelined run on 2 stages"):
+    train.train_and_evaluate(tiny(steps=6), workdir)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == saved
+
+
+@pytest.mark.parametrize("key,value,field", [
+    ("pipeline.layers", "1,2", "config.pipeline.layers"),
+    ("pipeline.microbatches", "2,2,2", "config.pipeline.microbatches"),
+    ("pipeline.schedule", "zigzag", "config.pipeline.schedule"),
+    ("balance.policy", "semi", "config.balance.policy"),
+    ("hetero.slowdown", (1, 4), "config.hetero.slowdown"),
+    ("hetero.device_speeds", (1, 1, 1), "config.hetero.device_speeds"),
+    ("hetero.links.latency_s", (1, 2, 3), "config.hetero.links.latency_s"),
+    ("layout.mlp", "60,4,1", "config.layout.mlp"),
+    ("plan", "/no/such/plan.json", "config.plan"),
+])
+def test_bad_pipeline_config_is_named(key, value, field):
+  c = tiny(**{"mesh.pipe": 2, "mesh.data": 2})
+  if key.startswith("hetero.links"):
+    c.hetero.links.regions = REGIONS
+    c.hetero.device_speeds = SPEEDS
+  set_field(c, key, value)
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    config_lib.validate(c, 8)
