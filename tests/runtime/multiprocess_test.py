@@ -43,3 +43,28 @@ def test_two_processes_match_one_process(tmp_path):
   np.testing.assert_allclose([r["train/loss"] for r in records], single["losses"], rtol=2e-6)
   np.testing.assert_allclose(records[-1]["val/loss"], single["val/loss"], rtol=2e-6)
   assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+
+
+@pytest.mark.slow
+def test_pipeline_across_two_processes_matches_one_process(tmp_path):
+  # Stage 0 on process 0's four devices, stage 1 on process 1's: activations and cotangents
+  # cross the processes by ppermute (gloo), the replicated parameters' gradients by psum.
+  workdir = tmp_path / "multi"
+  overrides = dict(OVERRIDES, **{"model.num_layers": 2, "mesh.pipe": 2,
+                                 "pipeline.microbatches": 2, "pipeline.layers": "1,1"})
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+         "--config", os.path.join(ROOT, "configs", "gpt_tiny.py:cpu,tensor=4"),
+         "--workdir", str(workdir)] + [f"--config.{k}={v}" for k, v in overrides.items()]
+  result = launch.launch(cmd, 2, devices_per_process=4, timeout_s=TIMEOUT_S,
+                         log_dir=str(tmp_path))
+  assert result.returncodes == [0, 0], (result.failure_message() or
+                                        open(result.log_paths[0]).read()[-3000:])
+  config = tiny_gpt(tensor=4, steps=4, mlp=(10, 30, 4, 20), heads=(3, 1, 2, 2))
+  config.model.num_layers = 2
+  config.eval_every, config.checkpoint_every = 2, 2
+  single = train.train_and_evaluate(config, str(tmp_path / "single"))
+  records = metrics.read_jsonl(str(workdir / "metrics.jsonl"))
+  assert [r["step"] for r in records] == [1, 2, 3, 4]
+  np.testing.assert_allclose([r["train/loss"] for r in records], single["losses"], rtol=2e-5)
+  np.testing.assert_allclose(records[-1]["val/loss"], single["val/loss"], rtol=2e-5)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
