@@ -5,19 +5,18 @@ layer partition, every microbatch size, schedule and sync mode; the unit split a
 microbatch split follow by the planner's rules (units proportional to the slowest replica at
 each position; the microbatch split that is best, `split.split_value`, exact).
 
-Three symmetries leave every predicted time unchanged, and the search visits one grid of each
+Two symmetries leave every predicted time unchanged, and the search visits one grid of each
 orbit:
   * devices of one class (`Cluster.classes`: equal speed, memory and links) are
     interchangeable, so grids are enumerated over class labels (multiset permutations);
   * pipelines are interchangeable (the step takes the slowest, the rings and the units the
-    set of replicas), so rows d of the grid may be permuted;
-  * tensor positions are interchangeable when permuted alike in every pipeline and stage (a
-    stage takes its slowest position, boundaries pair position t with t, rings join position
-    t of every pipeline).
-Seen as an R x N matrix whose entries are the stages' labels at (d, t), the last two permute
-rows and columns. Every such matrix can be brought to one whose rows and whose columns are both
-in lexicographic order (sorting the rows, then the columns, repeatedly never makes the
-row-major sequence larger, so it stops at such a matrix), so the search enumerates only those.
+    set of replicas), so only grids whose pipelines (rows) are in lexicographic order are
+    enumerated (every orbit has one: sort its rows).
+Tensor positions are *not* interchangeable, although a stage takes its slowest position and
+boundaries and rings pair position t with t: the unit split breaks ties between equally good
+splits by position (`layout.proportional_counts` gives speeds (1, 0.5) 6 and 2 of 8 heads, but
+(0.5, 1) 3 and 5), and the tie decides the other replicas' compute. So every position order is
+searched.
 
 Branch and bound: a grid is skipped when a lower bound on any of its plans
 (`evaluate.lower_bound`) is no better than the best plan found (the hierarchical search's plan
@@ -38,52 +37,37 @@ from semijax.planner import split as split_lib
 
 def canonical_label_grids(labels, shape) -> Iterator[np.ndarray]:
   """Label grids int [R, S, N] over the multiset `labels`, one or more per orbit of the
-  symmetries (module doc): rows (pipelines) and columns (tensor positions) in lexicographic
-  order, the entry at (d, t) being the tuple of its stages' labels."""
+  symmetries (module doc): the pipelines (rows, each read in (stage, position) order) in
+  lexicographic order."""
   r_, s_, n_ = shape
   kinds, counts = np.unique(np.asarray(labels), return_counts=True)
   rem = [int(c) for c in counts]
   kinds = [int(k) for k in kinds]
-  entries: list[tuple[int, ...]] = []
+  cells: list[int] = []
+  width = s_ * n_
 
-  def tuples(depth: int, prefix: list) -> Iterator[tuple[int, ...]]:
-    if depth == s_:
-      yield tuple(prefix)
+  def fill(i: int, row_gt: bool) -> Iterator[np.ndarray]:
+    if i == r_ * width:
+      yield np.asarray(cells, np.int64).reshape(r_, s_, n_)
       return
-    for i, k in enumerate(kinds):
-      if rem[i]:
-        rem[i] -= 1
-        prefix.append(k)
-        yield from tuples(depth + 1, prefix)
-        prefix.pop()
-        rem[i] += 1
-
-  def fill(i: int, row_gt: bool, col_gt: tuple) -> Iterator[np.ndarray]:
-    if i == r_ * n_:
-      grid = np.asarray(entries, np.int64).reshape(r_, n_, s_)
-      yield np.ascontiguousarray(grid.transpose(0, 2, 1))
-      return
-    d, t = divmod(i, n_)
-    if t == 0:
-      row_gt = d == 0
-    for e in tuples(0, []):
-      rgt, cgt = row_gt, col_gt
-      if not rgt:
-        above = entries[i - n_]
-        if e < above:
+    if i % width == 0:
+      row_gt = i == 0
+    for j, k in enumerate(kinds):
+      if not rem[j]:
+        continue
+      gt = row_gt
+      if not gt:
+        above = cells[i - width]
+        if k < above:
           continue
-        rgt = e > above
-      if t > 0 and not cgt[t]:
-        left = entries[i - 1]
-        if e < left:
-          continue
-        if e > left:
-          cgt = cgt[:t] + (True,) + cgt[t + 1:]
-      entries.append(e)             # `tuples` holds e's labels out of `rem` while suspended
-      yield from fill(i + 1, rgt, cgt)
-      entries.pop()
+        gt = k > above
+      rem[j] -= 1
+      cells.append(k)
+      yield from fill(i + 1, gt)
+      cells.pop()
+      rem[j] += 1
 
-  yield from fill(0, True, (True,) + (False,) * (n_ - 1))
+  yield from fill(0, True)
 
 
 def device_grid(label_grid: np.ndarray, classes: np.ndarray) -> np.ndarray:

@@ -2,6 +2,7 @@
 least step time an independent exhaustive search (`brute_force`) finds. Plus its symmetry
 reduction, its placement on slow links, its baselines, its arguments and its speed."""
 
+import dataclasses
 import itertools
 import time
 
@@ -86,15 +87,13 @@ def test_most_random_cases_are_feasible_and_varied():
 
 
 def orbit(grid):
-  """The smallest row-major sequence over every permutation of pipelines and tensor positions:
-  one key per orbit of the symmetries the exact search uses."""
-  r_, _, n_ = grid.shape
-  return min(tuple(grid[list(pr)][:, :, list(pt)].reshape(-1))
-             for pr in itertools.permutations(range(r_))
-             for pt in itertools.permutations(range(n_)))
+  """The smallest row-major sequence over every order of the pipelines: one key per orbit of the
+  symmetry the exact search uses besides interchangeable devices."""
+  return min(tuple(grid[list(pr)].reshape(-1))
+             for pr in itertools.permutations(range(grid.shape[0])))
 
 
-def test_canonical_grids_meet_every_orbit():
+def test_canonical_grids_meet_every_orbit_once():
   rng = np.random.default_rng(0)
   for _ in range(12):
     n = int(rng.integers(2, 7))
@@ -103,12 +102,33 @@ def test_canonical_grids_meet_every_orbit():
       if n % (r_ * s_):
         continue
       shape = (r_, s_, n // (r_ * s_))
-      canon = list(exact.canonical_label_grids(labels, shape))
+      canon = [orbit(g) for g in exact.canonical_label_grids(labels, shape)]
       every = {orbit(np.asarray(p).reshape(shape)) for p in set(itertools.permutations(labels))}
-      assert {orbit(g) for g in canon} == every
-      assert len(canon) <= len(set(itertools.permutations(labels)))
-      for g in canon:
-        assert sorted(g.reshape(-1).tolist()) == sorted(labels.tolist())
+      assert sorted(canon) == sorted(every)          # each orbit exactly once
+
+
+def test_tensor_positions_are_not_interchangeable():
+  # Found by a longer random run: two replicas of a tensor group of 2, speeds (1, 0.5) in one
+  # and (1, 1) in the other. Swapping the positions of the first replica alone changes which
+  # device is slowest at each position; the unit split breaks its tie differently (8 heads:
+  # (6, 2) for slowest speeds (1, 0.5), (3, 5) for (0.5, 1)), and the second replica's compute
+  # with it. The planner must search both orders.
+  lat = np.array([[2.69e-5, 4.88e-4], [4.88e-4, 1.16e-4]])
+  bw = np.array([[8.69e8, 4.86e7], [4.86e7, 2.82e8]])
+  cluster = cluster_lib.Cluster.from_regions([[1.0, 0.5], [1.0, 1.0]], lat, bw)
+  costs = costs_lib.ModelCosts(
+      num_layers=3, d_model=32, seq_len=16, num_units={"mlp": 24, "heads": 8},
+      flops_per_unit={"mlp": 128.0, "heads": 4096.0 + 1024.0},
+      unit_params={"mlp": 65, "heads": 4 * 32 * 4 + 12}, layer_params=192, first_params=2560,
+      last_params=2112, device_gflops=1.0)
+  want, best = brute_force.best_plan(costs, cluster, 4, (2,), ("gpipe", "1f1b"),
+                                     same_devices=[(1.0, 0), (0.5, 0), (1.0, 1), (1.0, 1)])
+  plan = search.plan(costs, cluster, 4, (2,))
+  assert plan.predicted_s == pytest.approx(want, rel=1e-9)
+  assert (best.device_order, best.stage_units[0]["heads"]) == ((1, 0, 2, 3), (3, 5))
+  swapped = dataclasses.replace(best, device_order=(0, 1, 2, 3),
+                                stage_units=({"mlp": (16, 8), "heads": (6, 2)},))
+  assert predict.predict(swapped, costs, cluster)["step_s"] > want * 1.05   # the other order
 
 
 def two_regions(per_region=4, inter=(5e-3, 1e8)):
