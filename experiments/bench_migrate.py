@@ -248,8 +248,9 @@ def main(argv):
         f"{e['bucket_switch']['capacity'][1]}, {e['bucket_switch']['units']}, "
         f"{mib(e['bucket_switch']['wire_bytes']):.3g})",
         e["migration_compiles"]] for n, e in models.items()])
-  payload = {"backend": jax.default_backend(), "jax": jax.__version__, "devices": jax.device_count(),
-             "quick": _QUICK.value, "repeats": repeats, "rows": all_rows, "models": models}
+  payload = {"backend": jax.default_backend(), "jax": jax.__version__,
+             "devices": jax.device_count(), "quick": _QUICK.value, "repeats": repeats,
+             "rows": all_rows, "models": models}
   paths = report.write(_OUT.value, "results", payload, table)
   print(table)
   print(f"wrote {paths['json']} and {paths['md']}")

@@ -241,4 +241,5 @@ class CostModel:
     self.per_load_s = (1 - self.alpha) * self.per_load_s + self.alpha * b
 
   def observe_move(self, seconds: float) -> None:
-    self.move_s = seconds if self.move_s <= 0 else (1 - self.alpha) * self.move_s + self.alpha * seconds
+    self.move_s = (seconds if self.move_s <= 0
+                   else (1 - self.alpha) * self.move_s + self.alpha * seconds)

@@ -379,9 +379,9 @@ class Engine:
                       plan.exact())
 
   def exercise(self, state: TrainState, batch, plan: plan_lib.Plan) -> None:
-    """Runs every branch of `plan`'s compiled train step once (`plan_lib.branch_plans`) on a throwaway
-    copy of `state`, so that their one-time first-run cost falls here, not in a timed step. Each
-    compiled step is exercised once per engine; `state` is left as it is."""
+    """Runs every branch of `plan`'s compiled train step once (`plan_lib.branch_plans`) on a
+    throwaway copy of `state`, so that their one-time first-run cost falls here, not in a timed
+    step. Each compiled step is exercised once per engine; `state` is left as it is."""
     key = self._key("train", state, plan, batch)
     if key in self._exercised:
       return

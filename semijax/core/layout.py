@@ -95,7 +95,8 @@ def proportional_counts(num_units: int, speeds: Sequence[float], minimum: int = 
   return tuple(counts)
 
 
-def bucketed_counts(num_units: int, speeds: Sequence[float], widths: Sequence[int]) -> tuple[int, ...]:
+def bucketed_counts(num_units: int, speeds: Sequence[float],
+                    widths: Sequence[int]) -> tuple[int, ...]:
   """Splits `num_units` by speed when each device executes at a compiled bucket width.
 
   A device owning c units runs at the smallest width >= c, so rounding proportional counts can

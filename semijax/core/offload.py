@@ -10,10 +10,10 @@ offloaded units land on the straggler, exactly.
 
 Everything here runs *inside* `jax.shard_map` on local blocks (axis `mesh.TENSOR`), like `tp`:
   * `column_parallel`, `row_parallel_gemm`: one GEMM each (exact for both kinds of GEMM);
-  * `row_parallel`: a fused column->row block (`kernels.mlp_partial`, `kernels.attention_partial`) with
-    the same contract as `tp.row_parallel`; the helpers compute the offloaded units' whole
-    column->row path from the replicated block input, so only weights travel. `mlp_block` and
-    `attention_block` name the unit axes of each weight.
+  * `row_parallel`: a fused column->row block (`kernels.mlp_partial`,
+    `kernels.attention_partial`) with the same contract as `tp.row_parallel`; the helpers
+    compute the offloaded units' whole column->row path from the replicated block input, so
+    only weights travel. `mlp_block` and `attention_block` name the unit axes of each weight.
   * `block_partial`: the same before the all-reduce, with the width this device executed;
     `tp.row_parallel` runs it when `plan_lib.Plan.offload` is set (so training can offload), charges
     the emulated straggler sleep for that width, then all-reduces.
@@ -25,9 +25,9 @@ Host helpers: `for_target` (the offload that reaches target counts) and `step_by
 step, for a cost model).
 
 What the straggler still computes: its leading `keep` slots; the offloaded slots are those after
-`keep`. `row_parallel` runs them at the compiled bucket width >= keep (`kernels.at_width`), so offload
-shrinks the straggler's GEMMs; the single-GEMM functions compute at capacity and mask (they are
-the exactness reference for both GEMM kinds, not the fast path).
+`keep`. `row_parallel` runs them at the compiled bucket width >= keep (`kernels.at_width`), so
+offload shrinks the straggler's GEMMs; the single-GEMM functions compute at capacity and mask
+(they are the exactness reference for both GEMM kinds, not the fast path).
 
 Cost per offloaded block and step (vs migration, which moves the units once): the weights of the
 offloaded units go out in the forward pass and their gradients come back in the backward pass

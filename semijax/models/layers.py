@@ -43,8 +43,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x, plan: plan_lib.Plan):
     """x: [..., d_model] replicated over tensor -> [..., d_model] replicated."""
-    y = tp.row_parallel(plan, "mlp", kernels.mlp_partial, x, self.w1[...], self.b1[...], self.w2[...],
-                        units=kernels.MLP_UNITS)
+    y = tp.row_parallel(plan, "mlp", kernels.mlp_partial, x, self.w1[...], self.b1[...],
+                        self.w2[...], units=kernels.MLP_UNITS)
     return y + self.b2[...]
 
 

@@ -3,9 +3,9 @@
 A checkpoint holds layout-independent parameters and optimizer state (every unit axis in logical
 order; zeros appended up to a multiple of the tensor devices when they do not divide the units),
 saved sharded as the devices hold them (`Engine.to_logical`), so it restores onto any layout,
-capacity bucket or tensor device count: the engine moves it into the new padded layout. Beside it, a JSON item records the step, the data
-position, the layout it was trained with and the model config (a checkpoint is never restored
-into a different model).
+capacity bucket or tensor device count: the engine moves it into the new padded layout. Beside
+it, a JSON item records the step, the data position, the layout it was trained with and the
+model config (a checkpoint is never restored into a different model).
 """
 
 from __future__ import annotations

@@ -213,7 +213,8 @@ def test_block_partial_charges_kept_bucket_plus_helped_chunks(setup):
   assert len(plan.rounds) == N - 1 and plan.send.shape == (N, N - 1, chunk)
 
   def body(p, w1, b1, w2, x):
-    y, executed = offload.block_partial(p, widths, kernels.mlp_partial, x, (w1, b1, w2), kernels.MLP_UNITS)
+    y, executed = offload.block_partial(p, widths, kernels.mlp_partial, x, (w1, b1, w2),
+                                        kernels.MLP_UNITS)
     return jax.lax.psum(y, TENSOR), executed.reshape(1)
 
   packed = pack(s, s["w"])

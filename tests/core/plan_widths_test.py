@@ -74,8 +74,8 @@ def test_branch_plans_take_every_branch_and_exercise_leaves_the_state():
   plan = eng.plan(layout)
   widths = dict(plan.widths)
   plans = plan_lib.branch_plans(plan, eng.mesh)
-  taken = {k: sorted({int(kernels.bucket_index(np.asarray(p.active[k])[0], widths[k])) for p in plans})
-           for k in widths}
+  taken = {k: sorted({int(kernels.bucket_index(np.asarray(p.active[k])[0], widths[k]))
+                      for p in plans}) for k in widths}
   assert taken == {k: list(range(len(w))) for k, w in widths.items()}
   before = jax.device_get(state)
   eng.exercise(state, batch, plan)

@@ -356,7 +356,7 @@ def test_resize_settings_from_strings():
   assert not config_lib.validate(config, 8).resize.scheduled     # nobody resized
 
 
-# --- training ---------------------------------------------------------------------------------------
+# --- training ---------------------------------------------------------------------------------
 
 def resized_config(steps):
   config = train_test.tiny_gpt(tensor=4, steps=steps)

@@ -28,7 +28,8 @@ def test_at_width_equals_full_capacity_with_mask(active):
 
   def loss(fn, x, w1, b1, w2):
     return jnp.sum(jnp.sin(fn(x, w1, b1, w2)))
-  bucketed = lambda x, w1, b1, w2: kernels.at_width(a, WIDTHS, kernels.mlp_partial, x, w1, b1, w2, a)
+  bucketed = lambda x, w1, b1, w2: kernels.at_width(a, WIDTHS, kernels.mlp_partial, x, w1, b1,
+                                                    w2, a)
   full = lambda x, w1, b1, w2: kernels.mlp_partial(8, x, w1, b1, w2, a)
   got = jax.jit(jax.value_and_grad(functools.partial(loss, bucketed), argnums=(0, 1, 2, 3)))(
       x, w1, b1, w2)

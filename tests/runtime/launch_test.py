@@ -1,4 +1,5 @@
-"""semijax.runtime.launch (local multi-process jobs) and semijax.runtime.contention (a CPU competitor).
+"""semijax.runtime.launch (local multi-process jobs) and semijax.runtime.contention (a CPU
+competitor).
 
 Children are real processes; every test checks that none is left behind.
 """
@@ -180,8 +181,8 @@ def test_flag_helpers():
 
 
 def test_command_line_reports_failure(tmp_path):
-  cmd = [PY, "-m", "semijax.runtime.launch", "--num_processes=2", f"--log_dir={tmp_path}", "--grace_s=1",
-         "--"] + by_process("time.sleep(30)", "sys.exit(3)")
+  cmd = [PY, "-m", "semijax.runtime.launch", "--num_processes=2", f"--log_dir={tmp_path}",
+         "--grace_s=1", "--"] + by_process("time.sleep(30)", "sys.exit(3)")
   done = subprocess.run(cmd, capture_output=True, text=True, timeout=30,
                         env=dict(os.environ, PYTHONPATH=ROOT))
   assert done.returncode == 1
