@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import time
 from typing import Callable
@@ -39,6 +38,7 @@ from semijax.train import data as data_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
 from semijax.train import pipelined
+from semijax.train import steps as steps_lib
 from semijax.train import replica_loop
 from semijax.train import replica_processes
 
@@ -188,9 +188,7 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
 
 def _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_warmup) -> dict:
   """Warm-up and the steps of `train_and_evaluate` (its resources are closed by the caller)."""
-  # The schedule in one program, before warm-up (calling it per step would compile on the way).
-  learning_rates = np.asarray(jax.jit(jax.vmap(optimizer_lib.learning_rate_schedule(
-      run.optimizer, run.steps)))(np.arange(run.steps)))
+  learning_rates = steps_lib.learning_rates(run)
   eval_batches = [engine.shard_batch(b) for b in dataset.eval_batches()]
   t0 = time.perf_counter()
   compiles_before = engine.compile_count
@@ -219,19 +217,10 @@ def _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_war
     balancer.emulate()                               # an emulated straggler's extra time
     balance_scalars = balancer.after_step(step - 1, time.perf_counter() - t1)
     dt = time.perf_counter() - t0                    # the step and everything balancing costs
-    if not math.isfinite(loss):
-      writer.write(step, {"train/loss": loss})
-      saved = (f"The last good checkpoint (step {last_saved}) in {ckpt.directory} is intact"
-               if last_saved else "No checkpoint was saved yet")
-      raise FloatingPointError(
-          f"train/loss is {loss} at step {step}: training stopped. {saved}; lower "
-          "config.optimizer.learning_rate or check the data.")
+    steps_lib.stop_if_not_finite(loss, step, writer, ckpt.directory, last_saved)
     step_times.append(dt)
     losses.append(loss)
-    scalars = {"train/loss": loss, "train/accuracy": float(m["accuracy"]),
-               "train/grad_norm": float(m["grad_norm"]),
-               "train/learning_rate": float(learning_rates[step - 1]),
-               "train/step_time_s": dt, f"train/{unit}_per_s": items_per_step / dt}
+    scalars = steps_lib.scalars(m, learning_rates[step - 1], dt, unit, items_per_step)
     scalars.update(balance_scalars)
     if (keep := balancer.setup(step - 1).keep) is not None:
       scalars.update({"resize/min_keep": min(keep),
@@ -244,22 +233,14 @@ def _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_war
       say(f"balance step {step}: {decision.reason}")
     if (step % run.log_every == 0 or step == run.steps or "val/loss" in scalars
         or (decision is not None and decision.changed)):
-      writer.write(step, scalars)
-      names = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "val_accuracy"}
-      shown = {names[k]: v for k, v in scalars.items() if k in names}
-      say(progress.line(step, dt, items_per_step, shown))
+      steps_lib.record(writer, progress, step, dt, items_per_step, scalars)
     if (run.checkpoint_every and step % run.checkpoint_every == 0) or step == run.steps:
       meta = {"data_position": step, "layout": balancer.layout.to_json(),
               "model": run.model.to_dict()}
       state = _save(ckpt, engine, balancer, state, step, meta)
       last_saved = step
-  timed = step_times[1:] or step_times
-  mean_dt = float(np.mean(timed)) if timed else float("nan")
-  summary = {"steps": run.steps, "start_step": start,
-             "train/loss": losses[-1] if losses else float("nan"), **val,
-             "mean_step_time_s": mean_dt, f"{unit}_per_s": items_per_step / mean_dt,
-             "step_times_s": step_times, "losses": losses,
-             "balance": balancer.summary(float(np.sum(step_times)))}
+  summary = dict(steps_lib.summary(run, start, step_times, losses, val),
+                 balance=balancer.summary(float(np.sum(step_times))))
   b = summary["balance"]
   say(f"done: {len(step_times)} steps, {summary[f'{unit}_per_s']:,.0f} {unit}/s, "
       f"val_loss {val.get('val/loss', float('nan')):.4f}, {b['migrations']} migrations, "

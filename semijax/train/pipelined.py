@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import time
 from typing import Callable
@@ -50,6 +49,7 @@ from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
+from semijax.train import steps as steps_lib
 
 say = metrics_lib.say
 
@@ -319,8 +319,7 @@ def train(run: config_lib.RunConfig, workdir: str, *,
 
 def _steps(run, trainer: Trainer, ckpt, writer, start: int) -> dict:
   plan = trainer.setup.plan
-  learning_rates = np.asarray(jax.jit(jax.vmap(optimizer_lib.learning_rate_schedule(
-      run.optimizer, run.steps)))(np.arange(run.steps)))
+  learning_rates = steps_lib.learning_rates(run)
   unit = run.model.unit
   items_per_step = run.batch_size * run.model.items_per_example
   progress = metrics_lib.Progress(run.steps, unit=unit, start_step=start)
@@ -329,42 +328,26 @@ def _steps(run, trainer: Trainer, ckpt, writer, start: int) -> dict:
   for step in range(start + 1, run.steps + 1):
     m, dt = trainer.step(step - 1)
     loss = m["loss"]
-    if not math.isfinite(loss):
-      writer.write(step, {"train/loss": loss})
-      saved = (f"The last good checkpoint (step {last_saved}) in {ckpt.directory} is intact"
-               if last_saved else "No checkpoint was saved yet")
-      raise FloatingPointError(
-          f"train/loss is {loss} at step {step}: training stopped. {saved}; lower "
-          "config.optimizer.learning_rate or check the data.")
+    steps_lib.stop_if_not_finite(loss, step, writer, ckpt.directory, last_saved)
     step_times.append(dt)
     losses.append(loss)
-    scalars = {"train/loss": loss, "train/accuracy": m["accuracy"],
-               "train/grad_norm": m["grad_norm"],
-               "train/learning_rate": float(learning_rates[step - 1]),
-               "train/step_time_s": dt, f"train/{unit}_per_s": items_per_step / dt,
-               "pipeline/predicted_s": plan.predicted_s,
-               "pipeline/bubble": plan.breakdown["bubble"]}
+    scalars = dict(steps_lib.scalars(m, learning_rates[step - 1], dt, unit, items_per_step),
+                   **{"pipeline/predicted_s": plan.predicted_s,
+                      "pipeline/bubble": plan.breakdown["bubble"]})
     if trainer.emulated is not None:
       scalars["pipeline/emulated_s"] = trainer.emulated["step_s"]
     if step % run.eval_every == 0 or step == run.steps:
       val = trainer.evaluate()
       scalars.update(val)
     if step % run.log_every == 0 or step == run.steps or "val/loss" in scalars:
-      writer.write(step, scalars)
-      names = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "val_accuracy"}
-      shown = {names[k]: v for k, v in scalars.items() if k in names}
-      say(progress.line(step, dt, items_per_step, shown))
+      steps_lib.record(writer, progress, step, dt, items_per_step, scalars)
     if (run.checkpoint_every and step % run.checkpoint_every == 0) or step == run.steps:
       trainer.save(ckpt, step)
       last_saved = step
-  timed = step_times[1:] or step_times
-  mean_dt = float(np.mean(timed)) if timed else float("nan")
-  summary = {"steps": run.steps, "start_step": start,
-             "train/loss": losses[-1] if losses else float("nan"), **val,
-             "mean_step_time_s": mean_dt, f"{unit}_per_s": items_per_step / mean_dt,
-             "step_times_s": step_times, "losses": losses, "plan": plan.to_dict(),
-             "predicted_s": plan.predicted_s, "bubble": plan.breakdown["bubble"],
-             "emulated_s": None if trainer.emulated is None else trainer.emulated["step_s"]}
+  summary = dict(steps_lib.summary(run, start, step_times, losses, val), plan=plan.to_dict(),
+                 predicted_s=plan.predicted_s, bubble=plan.breakdown["bubble"],
+                 emulated_s=None if trainer.emulated is None else trainer.emulated["step_s"])
+  mean_dt = summary["mean_step_time_s"]
   error = (f", {100 * (mean_dt / plan.predicted_s - 1):+.1f}% against the predicted "
            f"{plan.predicted_s:.3f} s" if trainer.emulated is not None else "")
   say(f"done: {len(step_times)} steps, {summary[f'{unit}_per_s']:,.0f} {unit}/s, "

@@ -39,13 +39,11 @@ from semijax.sync import inflight
 from semijax.sync import programs as programs_lib
 from semijax.sync import rounds as rounds_lib
 from semijax.train import config as config_lib
+from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
 
 
-def say(message: str) -> None:
-  """A console line for the user (process 0 only)."""
-  if jax.process_index() == 0:
-    print(message, flush=True)
+say = metrics_lib.say
 
 
 class Batches:

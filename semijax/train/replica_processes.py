@@ -32,16 +32,14 @@ from semijax.errors import ConfigError
 from semijax.sync import real as real_lib
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
+from semijax.train import metrics as metrics_lib
 from semijax.train import replica_loop
 
 
 ROUNDS_NAME = "sync_rounds.json"
 
 
-def say(message: str) -> None:
-  """A console line for the user (process 0 only)."""
-  if jax.process_index() == 0:
-    print(message, flush=True)
+say = metrics_lib.say
 
 
 # {the job's engine: this process's replica engine}: runs of one engine share it (and the
