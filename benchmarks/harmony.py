@@ -1,9 +1,9 @@
 """HarmonyTrain's benchmark: the planner's PatchPipe plan against three baselines, on 8 emulated
 devices in two regions.
 
-The scenario (`SCENARIO`): a GPT of 8 layers on 8 devices, four at speed 1 in region 0 and four
-at speed 0.5 in region 1; links between the regions have 100x the latency and 1/100 the
-bandwidth of links inside one. Device time is emulated (`core.emulation.PipelineEmulator`,
+The scenario (`configs/gpt_harmony.py`): a GPT of 8 layers on 8 devices, four at speed 1 in
+region 0 and four at speed 0.5 in region 1; links between the regions have 100x the latency and
+1/100 the bandwidth of links inside one. Device time is emulated (`core.emulation.PipelineEmulator`,
 `hetero.device_gflops` low enough that the emulated time, not this machine's real compute,
 dominates a step); the real compute of the pipelined program runs on top of it.
 
@@ -31,7 +31,6 @@ bubble, free links).
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 
@@ -48,38 +47,23 @@ from semijax.train import pipelined
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = baselines.NAMES
 BASELINES = tuple(s for s in STRATEGIES if s != "full")
-SCENARIO = {
-    "speeds": (1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5),
-    "regions": (0, 0, 0, 0, 1, 1, 1, 1),
-    "latency_s": (1e-4, 1e-2),             # inside a region, between regions
-    "bandwidth": (2e8, 2e6),               # bytes/s: inside, between (100x slower)
-    "device_gflops": 0.2,
-    "model": {"num_layers": 8, "d_model": 64, "d_ff": 256, "num_heads": 16, "seq_len": 64},
-    "batch_size": 16,
-}
+CONFIG = os.path.join(ROOT, "configs", "gpt_harmony.py")   # the scenario: model, devices, links
 TARGET_RATIO = 1.22          # the issue's target: the full plan over the best baseline
 PREDICTION_TOL = 0.10        # and its step within 10% of its prediction
 
 
 def scenario_config(steps: int, eval_every: int):
-  """The benchmark's training config (gpt_tiny's CPU variant, the scenario's model, devices and
-  links, config.plan = "auto")."""
-  c = config_lib.load(os.path.join(ROOT, "configs", "gpt_tiny.py:cpu"))
-  s = SCENARIO
-  c.model.update(s["model"])
-  c.batch_size, c.steps, c.eval_every = s["batch_size"], steps, eval_every
+  """The scenario's training config (`configs/gpt_harmony.py`) for `steps` steps."""
+  c = config_lib.load(CONFIG)
+  c.steps, c.eval_every = steps, eval_every
   c.plan = "auto"
-  c.hetero.device_gflops = s["device_gflops"]
-  c.hetero.device_speeds = s["speeds"]
-  c.hetero.links.regions = s["regions"]
-  c.hetero.links.latency_s = s["latency_s"]
-  c.hetero.links.bandwidth = s["bandwidth"]
   return c
 
 
 def make_plans(run) -> dict:
   """{strategy: (its plan with the predicted step, the seconds planning took)}."""
-  costs, cluster = pipelined.model_costs(run), pipelined.cluster(run, len(SCENARIO["speeds"]))
+  costs = pipelined.model_costs(run)
+  cluster = pipelined.cluster(run, len(run.pipeline.devices.speeds))
   sizes = tuple(m for m in range(1, run.batch_size + 1) if run.batch_size % m == 0)
   out = {}
   for name in STRATEGIES:
@@ -96,7 +80,7 @@ def ideal_step_s(run) -> float:
   costs = pipelined.model_costs(run)
   ms = costs.unit_ms(run.batch_size * run.model.seq_len)
   work = 4 * costs.num_layers * sum(ms[k] * costs.num_units[k] for k in costs.kinds) * 1e-3
-  return work / float(np.sum(SCENARIO["speeds"]))
+  return work / float(np.sum(run.pipeline.devices.speeds))
 
 
 def run(out_dir: str, steps: int, eval_every: int, say=print) -> dict:
@@ -150,7 +134,7 @@ def summarize(records: dict, ideal_s: float, run_cfg) -> dict:
   """The results (see module doc) from the raw per-strategy records."""
   tokens = run_cfg.batch_size * run_cfg.model.seq_len
   target = max(r["val"][-1][2] for r in records.values())
-  out = {"scenario": copy.deepcopy(SCENARIO), "target_val_loss": target, "ideal_step_s": ideal_s,
+  out = {"config": run_cfg.source, "target_val_loss": target, "ideal_step_s": ideal_s,
          "strategies": {}}
   for name, r in records.items():
     timed = r["step_times_s"][1:] or r["step_times_s"]
