@@ -32,12 +32,12 @@ TABLE_LIMIT = 32
 STASH_BUFFERS = 2
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def tick_masks(schedule: str, num_stages: int, num_microbatches: int):
-  """(forward float [T, S], backward float [T, S], in_flight int [S]) of a schedule's table."""
+  """(forward bool [T, S], backward bool [T, S], in_flight int [S]) of a schedule's table."""
   tab = schedule_lib.table(schedule, num_stages, num_microbatches)
-  fwd = (tab[..., 0] >= 0).astype(np.float64)
-  bwd = (tab[..., 1] >= 0).astype(np.float64)
+  fwd = tab[..., 0] >= 0
+  bwd = tab[..., 1] >= 0
   for x in (fwd, bwd):
     x.flags.writeable = False
   return fwd, bwd, schedule_lib.in_flight(tab)
