@@ -127,11 +127,13 @@ class Devices:
     speeds: float [N] relative speed of each device, by device id (1 = `device_gflops`).
     latency_s: float [N, N] link latency in seconds between two devices (diagonal unused).
     bandwidth: float [N, N] link bandwidth in bytes/s (inf: a free link).
+    regions: int [N] the region of each device, or None.
   """
 
   speeds: np.ndarray
   latency_s: np.ndarray
   bandwidth: np.ndarray
+  regions: np.ndarray | None = None
 
   @classmethod
   def from_regions(cls, speeds, regions, region_latency_s, region_bandwidth) -> "Devices":
@@ -140,7 +142,7 @@ class Devices:
     regions = np.asarray(regions, np.int64)
     lat = np.asarray(region_latency_s, np.float64)[np.ix_(regions, regions)]
     bw = np.asarray(region_bandwidth, np.float64)[np.ix_(regions, regions)]
-    return cls(np.asarray(speeds, np.float64), lat, bw)
+    return cls(np.asarray(speeds, np.float64), lat, bw, regions)
 
   def group_link(self, devices) -> tuple[float, float]:
     """(latency, bandwidth) of the slowest link among `devices` (0, inf for one device)."""
@@ -162,10 +164,10 @@ class PipelineEmulator:
   (`schedule.allreduce_s`); `schedule.stage_seconds` makes the stage's forward and backward of
   it, and each boundary transfer is `schedule.send_s` over the slowest of its links (tensor
   position t of stage p to position t of stage p + 1). The pipeline takes
-  `schedule.step_time` of its tick table. After the last tick the step all-reduces every
-  gradient: the stacked block parameters over `data` and the replicated ones (embedding, final
-  norm, head) over `pipe` and then `data`, each a ring over the slowest link it crosses. The
-  step lasts as long as the slowest pipeline plus the slowest of those all-reduces.
+  `schedule.step_time` of its tick table. After the last tick the step all-reduces the
+  replicated parameters' gradients (embedding, final norm, head) over `pipe`, then every
+  gradient over `data`, each a ring over the slowest link it crosses (the slowest ring of each).
+  The step lasts as long as the slowest pipeline plus those all-reduces.
 
   Attributes:
     devices: speeds and links by device id.
@@ -219,12 +221,11 @@ class PipelineEmulator:
       bubbles.append(schedule_lib.bubble(tab, f, b))
       transfers.append(total - schedule_lib.step_time(tab, f, b, 0 * send, 0 * send))
     ring = lambda nbytes, ids: schedule_lib.allreduce_s(nbytes, len(ids), *dev.group_link(ids))
-    allreduce = 0.0
-    for t in range(t_):
-      over_pipe = max(ring(self.shared_bytes, self.grid[d, :, t]) for d in range(r_))
-      over_data = max(ring(self.shared_bytes, self.grid[:, p, t]) for p in range(s_))
-      stack = max(ring(self.stack_bytes, self.grid[:, p, t]) for p in range(s_))
-      allreduce = max(allreduce, over_pipe + over_data + stack)
+    over_pipe = max(ring(self.shared_bytes, self.grid[d, :, t])
+                    for d in range(r_) for t in range(t_))
+    over_data = max(ring(self.shared_bytes + self.stack_bytes, self.grid[:, p, t])
+                    for p in range(s_) for t in range(t_))
+    allreduce = over_pipe + over_data
     worst = int(np.argmax(pipelines))
     return {"step_s": float(max(pipelines) + allreduce),
             "pipeline_s": [float(x) for x in pipelines], "bubble": float(bubbles[worst]),

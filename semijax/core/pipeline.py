@@ -331,6 +331,21 @@ class PipelineEngine:
                         jax.eval_shape(functools.partial(self._logical_init, 0)),
                         self.logical_shardings())
 
+  def local_bytes(self, layout: PipeLayout) -> tuple[float, float]:
+    """(block, replicated): parameter bytes one device holds in `layout` (its stage's layer
+    slots, each with its kind's unit capacity, and the replicated embedding, norm and head)."""
+    params = self.abstract_logical().params
+    stack = 0.0
+    for a, x in zip(jax.tree.leaves(self.block_axes), jax.tree.leaves(params[STACK])):
+      shape = list(x.shape[1:])
+      if (unit := a.unit()) is not None:
+        axis, kind = unit
+        shape[axis] = layout.units[0].kinds()[kind].capacity * self.unit_sizes[kind]
+      stack += layout.layers.capacity * float(np.prod(shape)) * x.dtype.itemsize
+    shared = sum(float(np.prod(x.shape)) * x.dtype.itemsize
+                 for x in jax.tree.leaves(params[SHARED]))
+    return stack, shared
+
   def tree_axes(self, tree):
     if isinstance(tree, TrainState):
       return migrate.state_axes(tree, self.tx, self.axes)

@@ -15,11 +15,13 @@ sequence). Parameter counts follow `semijax.models` (float32, 4 bytes each):
                 (4 d hd + 3 hd);
   layer_params  what every tensor device of a stage holds per layer: two LayerNorms (scale and
                 bias) and the two output biases (6 d);
-  first_params  the embedding on the first stage (replicated over tensor): GPT token and
-                position embeddings ((vocab + seq_len) d); ViT patch projection, class token and
+  first_params  the embedding (replicated over tensor, and in the pipelined engine over the
+                stages too, its gradient all-reduced over them): GPT token and position
+                embeddings ((vocab + seq_len) d); ViT patch projection, class token and
                 positions ((p^2 C + 1) d + d + (patches + 1) d);
-  last_params   the final LayerNorm and the head on the last stage: GPT 2 d + d vocab (the head
-                has no bias and is not tied to the embedding), ViT 2 d + d classes + classes.
+  last_params   the final LayerNorm and the head (replicated like the embedding): GPT
+                2 d + d vocab (the head has no bias and is not tied to the embedding), ViT
+                2 d + d classes + classes.
 
 The embedding and head cost parameters (memory, the data-parallel all-reduce) but no compute in
 the time model: stages are timed by their layers alone.
@@ -43,7 +45,7 @@ class ModelCosts:
     num_units: {kind: U}; flops_per_unit: {kind: forward FLOPs per token of one unit}.
     unit_params: {kind: parameters of one unit in one layer}.
     layer_params, first_params, last_params: parameters every device of a stage holds per
-      layer, on the first stage, on the last stage.
+      layer, of the embedding, of the final norm and head.
     device_gflops: GFLOP/s of a device at speed 1.
   """
 

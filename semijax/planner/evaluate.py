@@ -87,7 +87,10 @@ class GridCosts:
     compute_s: float [R, S] one layer's forward compute for one microbatch.
     allreduce_s: float [R, S] one tensor all-reduce of one microbatch's activations.
     send_s: float [R, S-1] one microbatch over boundary p -> p+1 (and back).
-    unit_params: float [S, N] parameters of the units each position holds, per layer.
+    layer_params: parameters every device holds per layer slot: the units of each kind at the
+      grid's capacity (the most any position holds) and the per-layer norms and biases.
+    shared_params: the replicated parameters (embedding, final norm, head).
+    pipe_allreduce_s: the slowest all-reduce of their gradients over a pipeline's stages.
     ring_latency_s, ring_bandwidth: float [S, N] the data-parallel ring's slowest link.
     memory: float [R, S, N] each position's device memory.
     act_bytes: bytes of one microbatch's activations.
@@ -100,7 +103,9 @@ class GridCosts:
   compute_s: np.ndarray
   allreduce_s: np.ndarray
   send_s: np.ndarray
-  unit_params: np.ndarray
+  layer_params: float
+  shared_params: float
+  pipe_allreduce_s: float
   ring_latency_s: np.ndarray
   ring_bandwidth: np.ndarray
   memory: np.ndarray
@@ -121,11 +126,15 @@ class GridCosts:
       units = tuple(split_lib.stage_units(costs.num_units, slowest[p]) for p in range(s_))
     unit_s = costs.unit_s(tokens)
     work = np.zeros((s_, n_))
-    params = np.zeros((s_, n_))
     for p, u in enumerate(units):
       for k, counts in u.items():
         work[p] += unit_s[k] * np.asarray(counts, np.float64)
-        params[p] += costs.unit_params[k] * np.asarray(counts, np.float64)
+    layer_params = costs.layer_params + sum(
+        costs.unit_params[k] * max(max(u[k]) for u in units) for k in costs.kinds)
+    shared = costs.first_params + costs.last_params
+    pipe_lat, pipe_bw = _pair_link(cluster, np.moveaxis(grid, 1, -1))     # [R, N]
+    pipe_ar = float(np.max(np.zeros(pipe_lat.shape) + schedule_lib.allreduce_s(
+        costs_lib.BYTES * shared, s_, pipe_lat, pipe_bw)))
     compute = (work[None] / speeds).max(axis=-1)                           # [R, S]
     act = costs.activation_bytes(tokens)
     lat, bw = _pair_link(cluster, grid)                                    # [R, S]
@@ -139,28 +148,30 @@ class GridCosts:
     memory = cluster.memory[grid]
     sig = np.concatenate([compute, ar, send, memory.reshape(r_, -1)], axis=1)
     _, first, inverse = np.unique(sig, axis=0, return_index=True, return_inverse=True)
-    return cls(grid, tuple(units), compute, ar, send, params, ring_lat, ring_bw, memory, act,
-               first, inverse.reshape(-1))
+    return cls(grid, tuple(units), compute, ar, send, float(layer_params), float(shared),
+               pipe_ar, ring_lat, ring_bw, memory, act, first, inverse.reshape(-1))
 
   @property
   def shape(self) -> tuple[int, int, int]:
     return self.grid.shape
 
   def param_counts(self, layers: np.ndarray, costs: costs_lib.ModelCosts) -> np.ndarray:
-    """float [..., S, N]: parameters each position holds for partitions `layers` [..., S]."""
+    """float [..., S, N]: parameters each position holds for partitions `layers` [..., S]: the
+    most layers any stage holds, at the grid's capacity, and the replicated ones."""
+    del costs
     layers = np.asarray(layers, np.float64)
-    p = layers[..., None] * (self.unit_params + costs.layer_params)
-    p[..., 0, :] += costs.first_params
-    p[..., -1, :] += costs.last_params
-    return p
+    slots = layers.max(axis=-1)[..., None, None]
+    return np.zeros(layers.shape + self.grid.shape[-1:]) + (slots * self.layer_params
+                                                            + self.shared_params)
 
   def data_allreduce_s(self, params: np.ndarray) -> np.ndarray:
-    """float [...]: the slowest position's gradient all-reduce over the pipelines."""
+    """float [...]: the gradient all-reduces after the last tick: the replicated parameters'
+    over the stages, then the slowest position's over the pipelines."""
     r_ = self.grid.shape[0]
     nbytes = costs_lib.BYTES * params
     t = np.zeros(nbytes.shape) + schedule_lib.allreduce_s(nbytes, r_, self.ring_latency_s,
                                                           self.ring_bandwidth)
-    return t.max(axis=(-1, -2))
+    return t.max(axis=(-1, -2)) + self.pipe_allreduce_s
 
   def fits(self, params: np.ndarray, in_flight: np.ndarray, pipeline: int | None = None):
     """bool [..., R] (or [...] for one `pipeline`): whether every device of each pipeline holds

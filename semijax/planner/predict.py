@@ -14,16 +14,22 @@ unit_ms and parameter counts, `cluster` for speeds v, memory and links):
   boundary        p -> p+1 and back, per microbatch: max over t of
                   L + tokens x d_model x 4 / W over the link (d, p, t) -- (d, p+1, t).
   pipeline d      `core.schedule.step_time(table(schedule, S, M_d), f, b, send, send)`.
-  data parallel   for every position (p, t) a ring over the pipelines' devices (d, p, t):
-                  allreduce_s(4 x that device's parameters, data, the ring's slowest link); the
-                  step pays the slowest position (0 with one pipeline).
-  step            sync: the slowest pipeline + the data-parallel all-reduce; ssaw, async,
-                  local_sgd: `sync.predict.predict(mode, pipeline seconds, comm_s=all-reduce)`.
+  parameters      what the pipelined engine (`core.pipeline`) holds on every device: its
+                  stage's block parameters padded to the plan's capacities (the most layers any
+                  stage holds x (the most units of each kind any position holds + the
+                  per-layer norms and biases)), and the embedding, final norm and head,
+                  replicated on every stage.
+  all-reduces     after the last tick: the replicated parameters' gradients over each
+                  pipeline's stages (for every pipeline d and position t a ring over (d, :, t)
+                  of their bytes: allreduce_s(4 x first and last parameters, pipe, the ring's
+                  slowest link); the slowest), then every gradient over the pipelines (for
+                  every position (p, t) a ring over (:, p, t) of the device's parameter bytes;
+                  the slowest position; 0 with one pipeline).
+  step            sync: the slowest pipeline + the all-reduces; ssaw, async, local_sgd:
+                  `sync.predict.predict(mode, pipeline seconds, comm_s=all-reduces)`.
   memory          a device holds 3 x 4 bytes per parameter (parameters and Adam's two
-                  moments; its stage's layers x (its units + the per-layer norms and biases),
-                  plus the embedding on the first stage and the final norm and head on the
-                  last) and (in_flight[p] + 2) x tokens x d_model x 4 bytes of activations (its
-                  stash, `core.schedule.in_flight`, and the two ppermute receive buffers).
+                  moments) and (in_flight[p] + 2) x tokens x d_model x 4 bytes of activations
+                  (its stash, `core.schedule.in_flight`, and the two ppermute receive buffers).
 
 This module computes it loop by loop, as a reader would by hand; `evaluate` computes the same
 numbers vectorized for the search.
@@ -70,8 +76,9 @@ def predict(plan: plan_lib.Plan, costs: costs_lib.ModelCosts,
      compute, tensor all-reduces included), "tensor_allreduce_s" (what those all-reduces add),
      "bubble" (idle share of its stage-time), "transfer_s" (the ticks' slowest boundary
      transfers), "stage_forward_s" / "stage_backward_s" [S] per microbatch;
-     "data_allreduce_s", "memory_bytes" [D] each device's need, "memory_use" (the largest
-     need / memory), "memory_ok"}.
+     "data_allreduce_s" (every gradient all-reduce after the last tick), "pipe_allreduce_s"
+     (of it, the replicated parameters' over `pipe`), "memory_bytes" [D] each device's need,
+     "memory_use" (the largest need / memory), "memory_ok"}.
 
   Raises:
     ValueError: the plan does not fit the cluster or the model.
@@ -83,13 +90,10 @@ def predict(plan: plan_lib.Plan, costs: costs_lib.ModelCosts,
   grid = plan.grid()
   r_, s_, n_ = grid.shape
   v = cluster.speeds
-  params = np.zeros((s_, n_))
-  for p in range(s_):
-    for t in range(n_):
-      per_layer = sum(costs.unit_params[k] * plan.stage_units[p][k][t] for k in costs.kinds)
-      params[p, t] = plan.stage_layers[p] * (per_layer + costs.layer_params)
-  params[0] += costs.first_params
-  params[-1] += costs.last_params
+  capacity = {k: max(max(u[k]) for u in plan.stage_units) for k in costs.kinds}
+  per_layer = sum(costs.unit_params[k] * capacity[k] for k in costs.kinds) + costs.layer_params
+  shared = costs.first_params + costs.last_params
+  params = np.full((s_, n_), max(plan.stage_layers) * per_layer + shared, np.float64)
   pipelines, parts = [], []
   memory = np.zeros(cluster.num_devices)
   for d in range(r_):
@@ -118,19 +122,22 @@ def predict(plan: plan_lib.Plan, costs: costs_lib.ModelCosts,
       for t in range(n_):
         memory[grid[d, p, t]] = (evaluate.STATE_COPIES * costs_lib.BYTES * params[p, t]
                                  + (stash[p] + evaluate.STASH_BUFFERS) * act)
-  data_ar = 0.0
-  for p in range(s_):
-    for t in range(n_):
-      data_ar = max(data_ar, schedule_lib.allreduce_s(costs_lib.BYTES * params[p, t], r_,
-                                                      *cluster.group_link(grid[:, p, t])))
+  pipe_ar = max(schedule_lib.allreduce_s(costs_lib.BYTES * shared, s_,
+                                         *cluster.group_link(grid[d, :, t]))
+                for d in range(r_) for t in range(n_))
+  data_ar = max(schedule_lib.allreduce_s(costs_lib.BYTES * params[p, t], r_,
+                                         *cluster.group_link(grid[:, p, t]))
+                for p in range(s_) for t in range(n_))
+  grads_ar = pipe_ar + data_ar
   if plan.sync == "sync":
-    step = max(pipelines) + data_ar
+    step = max(pipelines) + grads_ar
   else:
-    step = sync_predict.predict(plan.sync, pipelines, comm_s=data_ar).batch_s
+    step = sync_predict.predict(plan.sync, pipelines, comm_s=grads_ar).batch_s
   critical = int(np.argmax(pipelines))
   use = memory / cluster.memory
   return {"step_s": float(step), "pipeline_s": [float(x) for x in pipelines],
-          "critical": critical, **parts[critical], "data_allreduce_s": float(data_ar),
+          "critical": critical, **parts[critical], "data_allreduce_s": float(grads_ar),
+          "pipe_allreduce_s": float(pipe_ar),
           "memory_bytes": memory.tolist(), "memory_use": float(use.max()),
           "memory_ok": bool(np.all(use <= 1.0))}
 

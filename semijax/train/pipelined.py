@@ -70,7 +70,7 @@ def cluster(run: config_lib.RunConfig, num_devices: int) -> cluster_lib.Cluster:
   if d is None:
     return cluster_lib.Cluster(np.ones(num_devices), memory, np.zeros((num_devices,) * 2),
                                np.full((num_devices,) * 2, np.inf))
-  return cluster_lib.Cluster(d.speeds, memory, d.latency_s, d.bandwidth)
+  return cluster_lib.Cluster(d.speeds, memory, d.latency_s, d.bandwidth, d.regions)
 
 
 def _configured(run: config_lib.RunConfig) -> planner_plan.Plan:
@@ -183,19 +183,12 @@ def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
   layout = pipe_layout(plan, run.model, run.pipeline.layer_capacity)
   emulator = None
   if run.pipeline.devices is not None:
+    tokens = plan.microbatch_size * run.model.seq_len
+    stack_bytes, shared_bytes = engine.local_bytes(layout)
     emulator = emulation.PipelineEmulator(
-        run.pipeline.devices, plan.grid(), model_costs(run).unit_ms(
-            plan.microbatch_size * run.model.seq_len),
-        costs_lib.BYTES * plan.microbatch_size * run.model.seq_len * run.model.d_model,
-        _local_bytes(engine.abstract_logical().params[pipeline.STACK]),
-        _local_bytes(engine.abstract_logical().params[pipeline.SHARED]), plan.schedule)
+        run.pipeline.devices, plan.grid(), model_costs(run).unit_ms(tokens),
+        costs_lib.BYTES * tokens * run.model.d_model, stack_bytes, shared_bytes, plan.schedule)
   return Setup(plan, engine, layout, emulator)
-
-
-def _local_bytes(tree) -> float:
-  """Bytes one device holds of `tree` (abstract arrays with shardings)."""
-  return float(sum(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                   for x in jax.tree.leaves(tree)))
 
 
 def emulated_step(setup: Setup) -> dict:

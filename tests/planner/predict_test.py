@@ -42,18 +42,22 @@ def test_a_pipeline_by_hand():
   # compute 8.4, 12.8, 46.4, 33.6, 22.8 and a 3 s transfer in each of the first four.
   assert out["compute_s"] == pytest.approx(124.0)
   assert out["transfer_s"] == pytest.approx(12.0)
-  assert out["step_s"] == pytest.approx(136.0)
+  # After the last tick the replicated parameters (50 + 70) are all-reduced over the stages:
+  # each position's ring crosses the regions, 2 x 1 s + 2 x 1/2 x 4 x 120 / 4 = 122 s.
+  assert out["pipe_allreduce_s"] == pytest.approx(122.0)
+  assert out["data_allreduce_s"] == pytest.approx(122.0)      # no data-parallel ring
+  assert out["step_s"] == pytest.approx(136.0 + 122.0)
   # Without the all-reduces the ticks take 6, 8, 32, 24, 18.
   assert out["tensor_allreduce_s"] == pytest.approx(124.0 - 88.0)
   assert out["bubble"] == pytest.approx(1 - 2 * 77.6 / (2 * 124.0))
-  assert out["data_allreduce_s"] == 0.0
-  # Parameters: device 0 holds 1 x (3 x 10 + 100 + 6) + 50 (embedding) = 186, device 1 166,
-  # devices 2 and 3 2 x (2 x 10 + 100 + 6) + 70 (head) = 322; x 12 bytes, plus (stash + 2) x 8
-  # with gpipe stashing 2 and 1 microbatches.
+  # Parameters: every device holds 2 layer slots (the most any stage has) of 3 MLP units and 1
+  # head (the most any position has) and the per-layer 6, 2 x (3 x 10 + 100 + 6) = 272, and the
+  # replicated 120: 392; x 12 bytes, plus (stash + 2) x 8 with gpipe stashing 2 and 1
+  # microbatches. Region 0's 3000 bytes do not hold it.
   np.testing.assert_allclose(out["memory_bytes"],
-                             [12 * 186 + 4 * 8, 12 * 166 + 4 * 8, 12 * 322 + 3 * 8,
-                              12 * 322 + 3 * 8])
-  assert out["memory_ok"] and out["memory_use"] == pytest.approx((12 * 322 + 24) / 4000)
+                             [12 * 392 + 4 * 8, 12 * 392 + 4 * 8, 12 * 392 + 3 * 8,
+                              12 * 392 + 3 * 8])
+  assert not out["memory_ok"] and out["memory_use"] == pytest.approx((12 * 392 + 32) / 3000)
 
 
 def test_data_parallel_pipelines_by_hand():

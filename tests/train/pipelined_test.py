@@ -14,8 +14,11 @@ import pytest
 
 import helpers as H
 from semijax.errors import ConfigError
+from semijax.planner import cluster as cluster_lib
+from semijax.planner import predict as predict_lib
 from semijax.train import config as config_lib
 from semijax.train import loop as train
+from semijax.train import pipelined
 
 SPEEDS = (1, 1, 1, 1, .5, .5, .5, .5)
 REGIONS = (0, 0, 0, 0, 1, 1, 1, 1)
@@ -95,3 +98,28 @@ def test_bad_pipeline_config_is_named(key, value, field):
   set_field(c, key, value)
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
     config_lib.validate(c, 8)
+
+
+def test_planned_run_emulates_the_predicted_step(tmp_path):
+  c = with_links(tiny(steps=2, plan="auto"))
+  run = config_lib.validate(c, 8)
+  plan = pipelined.resolve_plan(run, 8)
+  setup = pipelined.build(run, plan)
+  emulated = pipelined.emulated_step(setup)
+  np.testing.assert_allclose(emulated["step_s"], plan.predicted_s, rtol=1e-9)
+  # Also with padding: uneven layers and units, so devices hold more slots than they own (the
+  # all-reduces carry them).
+  uneven = with_links(tiny(**{"mesh.data": 2, "mesh.pipe": 2, "pipeline.layers": "1,3",
+                              "pipeline.microbatches": "3,1", "layout.mlp": "40,24,10,54"}))
+  run_uneven = config_lib.validate(uneven, 8)
+  plan_uneven = pipelined.resolve_plan(run_uneven, 8)
+  emulated = pipelined.emulated_step(pipelined.build(run_uneven, plan_uneven))
+  np.testing.assert_allclose(emulated["step_s"], plan_uneven.predicted_s, rtol=1e-9)
+  assert emulated["allreduce_s"] > 0 and emulated["transfer_s"] > 0
+  # A plan spanning both regions over the slower link costs more than with free links.
+  free = cluster_lib.Cluster(np.asarray(SPEEDS, float), np.inf, np.zeros((8, 8)),
+                             np.full((8, 8), np.inf))
+  assert predict_lib.predict(plan, pipelined.model_costs(run), free)["step_s"] < plan.predicted_s
+  summary = train.train_and_evaluate(c, str(tmp_path / "auto"))
+  assert summary["plan"] == json.load(open(tmp_path / "auto" / "plan.json"))
+  assert min(summary["step_times_s"]) >= plan.predicted_s
