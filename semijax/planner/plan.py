@@ -147,6 +147,7 @@ def describe(plan: Plan, regions=None, max_pipelines: int = 4) -> str:
     lines.append(f"  slowest pipeline {b['critical']}: {b['pipeline_s'][b['critical']]:.6g} s = "
                  f"compute {b['compute_s']:.6g} s (tensor all-reduces {b['tensor_allreduce_s']:.4g}"
                  f" s, bubble {100 * b['bubble']:.1f}%) + transfers {b['transfer_s']:.4g} s")
-    lines.append(f"  data-parallel all-reduce: {b['data_allreduce_s']:.4g} s   "
-                 f"peak memory use {100 * b['memory_use']:.1f}% of the tightest device")
+    lines.append(f"  gradient all-reduces: {b['data_allreduce_s']:.4g} s (of it over the stages "
+                 f"{b.get('pipe_allreduce_s', 0.0):.4g} s)   peak memory use "
+                 f"{100 * b['memory_use']:.1f}% of the tightest device")
   return "\n".join(lines)
