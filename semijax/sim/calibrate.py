@@ -1,6 +1,8 @@
 """The simulator's constants, fitted to this machine's measured runs, and replays that check them.
 
-Measurements (`extract_*`; small JSON copies in benchmarks/measurements/):
+Measurements (`extract_*`; small JSON copies in benchmarks/measurements/), one record per run:
+the benchmark runs every (scenario, policy) cell in interleaved rounds, and each round's run is
+its own record (`name`: SCENARIO/POLICY@ROUND), compared with `even` and the oracle of its round:
 
   straggler_real      the straggler benchmark's real-contention part (2 processes x 1 CPU device,
                       tensor = 2, a CPU-bound competitor on core 1: none / steady / bursts), every
@@ -47,6 +49,7 @@ import os
 
 import numpy as np
 
+from semijax.balance import decisions as decisions_lib
 from semijax.balance import resize as resize_spec_lib
 from semijax.balance import settings as settings_lib
 from semijax.balance.cost import Setup
@@ -66,16 +69,26 @@ SETTLE_DECISIONS = 2
 # --- measurements --------------------------------------------------------------------------------
 
 
-def _decisions(runs_dir: str, scenario: str, policy: str) -> list[dict]:
-  path = os.path.join(runs_dir, scenario, policy, "decisions.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+def _runs(raw: dict):
+  """(scenario, policy, round, run) for every run of a straggler benchmark's raw file. A cell is
+  a list of runs, one per round (`round` in the run, in runs/SCENARIO/POLICY/roundR/); a cell of
+  the format before rounds is a single run (round None, in runs/SCENARIO/POLICY/)."""
+  for scenario, cells in raw["runs"].items():
+    for policy, cell in cells.items():
+      if isinstance(cell, dict):
+        yield scenario, policy, None, cell
+        continue
+      for i, run in enumerate(cell):
+        yield scenario, policy, run.get("round", i), run
 
 
-def _config(runs_dir: str, scenario: str, policy: str) -> dict:
-  with open(os.path.join(runs_dir, scenario, policy, "config.json")) as f:
+def _run_dir(results_dir: str, scenario: str, policy: str, round_: int | None) -> str:
+  path = os.path.join(results_dir, "runs", scenario, policy)
+  return path if round_ is None else os.path.join(path, f"round{round_}")
+
+
+def _config(run_dir: str) -> dict:
+  with open(os.path.join(run_dir, "config.json")) as f:
     return json.load(f)
 
 
@@ -85,11 +98,13 @@ def _setting(config: dict) -> dict:
   return {k: config[k] for k in keep if k in config}
 
 
-def _record(scenario: str, policy: str, run: dict, config: dict, decisions: list) -> dict:
+def _record(scenario: str, policy: str, round_: int | None, run: dict, config: dict,
+            decisions: list) -> dict:
   layout = config.get("layout", {})
   counts = {k: list(layout[k]) for k in ("mlp", "heads") if isinstance(layout.get(k), list)}
   c = run.get("contention") or {}
-  return {"scenario": scenario, "policy": policy, "steps": len(run["step_times_s"]),
+  return {"scenario": scenario, "policy": policy, "round": round_,
+          "steps": len(run["step_times_s"]),
           "step_times_s": run["step_times_s"], "tokens_per_s": run["tokens_per_s"],
           "migrations": run["migrations"], "final_counts": run["final_counts"],
           "layout": counts or None, "contention": c.get("intervals"),
@@ -98,24 +113,33 @@ def _record(scenario: str, policy: str, run: dict, config: dict, decisions: list
                         for d in decisions if d["changed"]]}
 
 
+def name(x: dict) -> str:
+  """SCENARIO/POLICY@ROUND of a record or `check` row (no @ROUND before rounds)."""
+  r = x.get("round")
+  return f"{x['scenario']}/{x['policy']}" + ("" if r is None else f"@{r}")
+
+
+def _key(x: dict) -> tuple:
+  return x["scenario"], x["policy"], x.get("round")
+
+
 def extract_real(results_dir: str) -> dict:
-  """The measurements of a straggler benchmark's real part (`real_raw.json` and its runs)."""
+  """The measurements of a straggler benchmark's real part (`real_raw.json` and its runs): one
+  record per run, every round's run its own."""
   with open(os.path.join(results_dir, "real_raw.json")) as f:
     raw = json.load(f)
-  runs_dir = os.path.join(results_dir, "runs")
   records, samples, moves, contended, idle = [], [], [], [], []
-  for scenario, runs in raw["runs"].items():
-    for policy, run in runs.items():
-      config = _config(runs_dir, scenario, policy)
-      ds = _decisions(runs_dir, scenario, policy)
-      records.append(_record(scenario, policy, run, config, ds))
-      samples += [d["sample_s"] for d in ds]
-      if ds and ds[0]["cost"]["move_s"] > 0:
-        moves.append(ds[0]["cost"]["move_s"])            # the warm-up's timed migration
-      if scenario == "steady":
-        contended += [min(d["speeds"]) for d in ds[SETTLE_DECISIONS:]]
-      if scenario == "none":
-        idle += [min(d["speeds"]) for d in ds]
+  for scenario, policy, round_, run in _runs(raw):
+    run_dir = _run_dir(results_dir, scenario, policy, round_)
+    ds = decisions_lib.read(run_dir)
+    records.append(_record(scenario, policy, round_, run, _config(run_dir), ds))
+    samples += [d["sample_s"] for d in ds]
+    if ds and ds[0]["cost"]["move_s"] > 0:
+      moves.append(ds[0]["cost"]["move_s"])            # the warm-up's timed migration
+    if scenario == "steady":
+      contended += [min(d["speeds"]) for d in ds[SETTLE_DECISIONS:]]
+    if scenario == "none":
+      idle += [min(d["speeds"]) for d in ds]
   return {"kind": "real", "source": os.path.relpath(results_dir),
           "setting": _setting(raw["config"]),
           "probe_speeds": raw["speeds"], "bursts": raw["bursts"],
@@ -125,18 +149,18 @@ def extract_real(results_dir: str) -> dict:
 
 
 def extract_emulated(results_dir: str) -> dict:
-  """The measurements of a straggler benchmark's emulated part (`emulated_raw.json`)."""
+  """The measurements of a straggler benchmark's emulated part (`emulated_raw.json`): one record
+  per run, every round's run its own."""
   with open(os.path.join(results_dir, "emulated_raw.json")) as f:
     raw = json.load(f)
-  runs_dir = os.path.join(results_dir, "runs")
   records, samples, setting = [], [], None
-  for scenario, runs in raw["runs"].items():
-    for policy, run in runs.items():
-      config = _config(runs_dir, scenario, policy)
-      setting = setting or _setting(config)
-      ds = _decisions(runs_dir, scenario, policy)
-      records.append(_record(scenario, policy, run, config, ds))
-      samples += [d["sample_s"] for d in ds]
+  for scenario, policy, round_, run in _runs(raw):
+    run_dir = _run_dir(results_dir, scenario, policy, round_)
+    config = _config(run_dir)
+    setting = setting or _setting(config)
+    ds = decisions_lib.read(run_dir)
+    records.append(_record(scenario, policy, round_, run, config, ds))
+    samples += [d["sample_s"] for d in ds]
   return {"kind": "emulated", "source": os.path.relpath(results_dir), "setting": setting,
           "sample_s": samples, "records": records}
 
@@ -264,21 +288,21 @@ MIN_IDENTICAL_STEPS = 5
 
 
 def consistency(measured: dict) -> dict:
-  """{(scenario, policy): mean of the run's steps before its first change / mean of the same
-  steps of the scenario's `even` run - 1}, for runs of the controlled policies with at least
-  `MIN_IDENTICAL_STEPS` such steps (they run the even split's single-width step, as `even`
-  does; `offload` runs its own step and is left out)."""
-  even = {r["scenario"]: np.asarray(r["step_times_s"]) for r in measured["records"]
-          if r["policy"] == "even"}
+  """{(scenario, policy, round): mean of the run's steps before its first change / mean of the
+  same steps of the `even` run of its scenario and round - 1}, for runs of the controlled
+  policies with at least `MIN_IDENTICAL_STEPS` such steps (they run the even split's
+  single-width step, as `even` does; `offload` runs its own step and is left out)."""
+  even = {(r["scenario"], r.get("round")): np.asarray(r["step_times_s"])
+          for r in measured["records"] if r["policy"] == "even"}
   out = {}
   for r in measured["records"]:
-    if r["policy"] in ("even", "static", "offload") or r["scenario"] not in even:
+    ref = even.get((r["scenario"], r.get("round")))
+    if r["policy"] in ("even", "static", "offload") or ref is None:
       continue
     first = min([d["step"] for d in r.get("decisions", ())] + [len(r["step_times_s"])])
-    ref = even[r["scenario"]]
     n = min(first, len(ref))
     if n >= MIN_IDENTICAL_STEPS:
-      out[(r["scenario"], r["policy"])] = float(np.mean(r["step_times_s"][:n]) / ref[:n].mean() - 1)
+      out[_key(r)] = float(np.mean(r["step_times_s"][:n]) / ref[:n].mean() - 1)
   return out
 
 
@@ -286,8 +310,7 @@ def consistent(measured: dict) -> dict:
   """`measured` without the runs `consistency` finds off their identical twin by more than
   `CONSISTENCY`."""
   off = {k for k, v in consistency(measured).items() if abs(v) > CONSISTENCY}
-  return dict(measured, records=[r for r in measured["records"]
-                                 if (r["scenario"], r["policy"]) not in off])
+  return dict(measured, records=[r for r in measured["records"] if _key(r) not in off])
 
 
 def fit_steps(measured: dict, hw: hardware_lib.Hardware, iterations: int = 8, seed: int = 0,
@@ -316,8 +339,19 @@ def fit_steps(measured: dict, hw: hardware_lib.Hardware, iterations: int = 8, se
     error = float(np.mean(np.square(rows @ simulator.coefficients(hw) - targets)))
     if best is None or error < best[0]:
       best = (error, hw)
-    hw = _with_coefficients(hw, nnls(rows, targets))
+    hw = _with_coefficients(hw, _solve(rows, targets))
   return best[1] if best[0] <= _replay_error(measured, hw, seed, contention_speed) else hw
+
+
+def _solve(rows: np.ndarray, targets: np.ndarray) -> np.ndarray:
+  """`nnls(rows, targets)`; when every run executes about the same FLOPs (the emulated runs:
+  their time is the emulated sleep, the same model on every device), the fixed overhead
+  absorbs the compute and leaves it no term. The fixed overhead is then dropped: what every
+  run's step spends beyond the modelled parts is charged to its FLOPs."""
+  x = nnls(rows, targets)
+  if x[1] <= 0:
+    x = np.concatenate([[0.0], nnls(rows[:, 1:], targets)])
+  return x
 
 
 def _replay_error(measured: dict, hw: hardware_lib.Hardware, seed: int, contention_speed) -> float:
@@ -433,12 +467,12 @@ def check(measured: dict, hw: hardware_lib.Hardware, *, seeds=(0, 1, 2),
           contention_speed: float | None = None, scripted: bool = False) -> list[dict]:
   """One row per measured run: predicted (the mean over `seeds` of the simulated noise) vs
   measured mean step time, tokens/s and ratios to `even` and to the oracle (`static`) of its
-  scenario (repeats of one measurement by their median, `REPEATS`); `*_error` = predicted /
-  measured - 1; `twin_error` and `noisy`: `consistency`."""
+  scenario and round (repeats of one measurement by their median, `REPEATS`); `*_error` =
+  predicted / measured - 1; `twin_error` and `noisy`: `consistency`."""
   rows = []
   for rec in measured["records"]:
     runs = [replay(measured, rec, hw, seed, contention_speed, scripted) for seed in seeds]
-    rows.append({"scenario": rec["scenario"], "policy": rec["policy"],
+    rows.append({"scenario": rec["scenario"], "policy": rec["policy"], "round": rec.get("round"),
                  "measured_s": float(np.mean(rec["step_times_s"])),
                  "predicted_s": float(np.mean([r.step_s.mean() for r in runs])),
                  "measured_tps": rec["tokens_per_s"],
@@ -448,26 +482,26 @@ def check(measured: dict, hw: hardware_lib.Hardware, *, seeds=(0, 1, 2),
   _pool_repeats(rows)
   twins = consistency(measured)
   for x in rows:
-    x["twin_error"] = twins.get((x["scenario"], x["policy"]))
+    x["twin_error"] = twins.get(_key(x))
     x["noisy"] = x["twin_error"] is not None and abs(x["twin_error"]) > CONSISTENCY
-  by = {(x["scenario"], x["policy"]): x for x in rows}
+  by = {_key(x): x for x in rows}
   for x in rows:
     x["step_error"] = x["predicted_s"] / x["measured_s"] - 1
-    for ref, name in (("even", "vs_even"), ("static", "vs_oracle")):
-      other = by.get((x["scenario"], ref))
+    for ref, ratio in (("even", "vs_even"), ("static", "vs_oracle")):
+      other = by.get((x["scenario"], ref, x["round"]))
       if other is None:
         continue
       meas = x["measured_tps"] / other["measured_tps"]
       pred = x["predicted_tps"] / other["predicted_tps"]
-      x[f"measured_{name}"], x[f"predicted_{name}"] = meas, pred
-      x[f"{name}_error"] = pred / meas - 1
+      x[f"measured_{ratio}"], x[f"predicted_{ratio}"] = meas, pred
+      x[f"{ratio}_error"] = pred / meas - 1
   return rows
 
 
 # Runs of the straggler benchmark that train the same split the same way: in `none` nobody is
 # slow, so these policies all run the even split's single-width step and never change it (the
 # benchmark's `SAME_SPLIT_POLICIES`, which it reads as the noise of one run). They are repeats of
-# one measurement; a replay is compared with their median.
+# one measurement; a replay is compared with their median (over every round).
 REPEATS = {"none": ("even", "static", "resize", "migrate", "semi")}
 
 
@@ -488,7 +522,7 @@ def _pool_repeats(rows: list[dict]) -> None:
 def worst(rows: list[dict]) -> dict:
   """The largest absolute errors of the `check` rows that are not `noisy`: step time, ratio to
   even, ratio to the oracle; and the noisy runs."""
-  out = {"noisy": [f"{x['scenario']}/{x['policy']}" for x in rows if x.get("noisy")]}
+  out = {"noisy": [name(x) for x in rows if x.get("noisy")]}
   for key in ("step_error", "vs_even_error", "vs_oracle_error"):
     vals = [abs(x[key]) for x in rows if key in x and not x.get("noisy")]
     out[key] = max(vals) if vals else 0.0
@@ -499,12 +533,13 @@ def markdown(rows: list[dict], title: str) -> str:
   """The `check` rows as a markdown table."""
   pct = lambda v: "–" if v is None else f"{v:+.1%}"
   num = lambda v: "–" if v is None else f"{v:.2f}"
-  lines = [f"#### {title}", "", "| scenario | policy | measured s/step | predicted | error "
+  lines = [f"#### {title}", "", "| scenario | policy@round | measured s/step | predicted | error "
            "| vs even: measured | predicted | error | vs oracle: measured | predicted | error "
            "| migrations: measured | predicted | identical steps vs even's |", "|---" * 14 + "|"]
   for x in rows:
+    run = name(x).split("/", 1)[1]      # policy@round
     lines.append(
-        f"| {x['scenario']} | {x['policy']} | {x['measured_s']:.4f} | {x['predicted_s']:.4f} "
+        f"| {x['scenario']} | {run} | {x['measured_s']:.4f} | {x['predicted_s']:.4f} "
         f"| {pct(x['step_error'])} | {num(x.get('measured_vs_even'))} "
         f"| {num(x.get('predicted_vs_even'))} | {pct(x.get('vs_even_error'))} "
         f"| {num(x.get('measured_vs_oracle'))} | {num(x.get('predicted_vs_oracle'))} "
