@@ -36,7 +36,8 @@ CASES = {
                               r"config\.data\.path: no such file: /no/such/file$"),
     "config_option": Case((), r"config\b.*unknown option 'gpu'", config="configs/gpt_tiny.py:gpu"),
     "config_file": Case((), r"config: no config file at 'configs/nope\.py'; configs/ has "
-                        r"gpt_harmony\.py, gpt_tiny\.py, vit_digits\.py$", config="configs/nope.py"),
+                        r"gpt_harmony\.py, gpt_tiny\.py, vit_digits\.py$",
+                        config="configs/nope.py"),
     "config_file_with_override": Case(("--config.steps=3",), r"config: no config file at ",
                                       config="configs/nope.py"),
     "override_key": Case(("--config.modle.d_model=3",), re.escape(
