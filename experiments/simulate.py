@@ -5,11 +5,11 @@ r"""The simulated study: every policy on 64 to 4,096 devices in every straggler 
 
 Runs `semijax.sim.study` on the --hardware profile of --constants (default the nominal
 H100-class cluster, `semijax/sim/profiles.py`; `cpu_2proc` is this machine's fitted one), then
-measures the controller's own cost and the speed samples' bytes at every size
-(`semijax.sim.overhead`). Writes --out/{study.json, study.md, throughput.png}: the JSON of every
-run, the markdown tables (throughput relative to `even`, `even` relative to the ideal, the
-overheads) and a plot of throughput relative to the ideal against cluster size, one panel per
-scenario.
+measures the controller's own cost, the speed samples' bytes and the planner's own time at every
+size (`semijax.sim.overhead`; the planner up to --planner_max devices). Writes
+--out/{study.json, study.md, throughput.png}: the JSON of every run, the markdown tables
+(throughput relative to `even`, `even` relative to the ideal, the overheads) and a plot of
+throughput relative to the ideal against cluster size, one panel per scenario.
 """
 
 import json
@@ -41,8 +41,11 @@ _POLICIES = flags.DEFINE_list("policies", list(study.POLICIES), "Policies (even 
 _STEPS = flags.DEFINE_integer("steps", 1000, "Simulated steps per run.")
 _SEED = flags.DEFINE_integer("seed", 0, "Traces and sample noise.")
 _PIPE = flags.DEFINE_integer("pipe", study.PIPE, "Pipeline stages around the tensor groups "
-                             "(1: tensor x data only, what semijax runs today).")
+                             "(1: tensor x data only, where semijax runs every policy today).")
 _OVERHEAD = flags.DEFINE_bool("overhead", True, "Also measure the controller's own cost.")
+_PLANNER_MAX = flags.DEFINE_integer("planner_max", max(study.SIZES), "Time the planner "
+                                    "(semijax.planner) in the overhead table up to this many "
+                                    "devices.")
 
 
 def _check(values, allowed, name):
@@ -102,10 +105,16 @@ def main(argv):
         f"{_STEPS.value} steps per run)", "",
         "Throughput relative to `even` (`even` relative to the ideal: total work over total "
         "speed):", "", study.markdown(result)]
+  if "planner" in _POLICIES.value:
+    md += ["Layers per stage of the `planner` column (even: "
+           f"{study.stage_layers(study.base_run(sizes[0], 'none', hw, 1, pipe=_PIPE.value))}):",
+           "", study.layers_markdown(result)]
   if _OVERHEAD.value:
-    rows = overhead.measure(hw, sizes=sizes, seed=_SEED.value, pipe=_PIPE.value)
+    rows = overhead.measure(hw, sizes=sizes, seed=_SEED.value, pipe=_PIPE.value,
+                            planner_max=_PLANNER_MAX.value)
     result["overhead"] = rows
-    md += ["The controller's own cost and the speed samples' bytes:", "", overhead.markdown(rows)]
+    md += ["The controller's own cost, the speed samples' bytes and the planner's own time:", "",
+           overhead.markdown(rows)]
   timing = [c for c in result["cells"] if c["devices"] == 1024]
   if timing:
     slowest = max(timing, key=lambda c: c["wall_s"])

@@ -15,10 +15,17 @@ Per cluster size (`measure`):
                       process + 1) x 16 bytes; with fewer, every process reads every process's
                       JSON record from the key-value store (`sampling.KeyValueGather`: P records
                       of about 20 bytes per device);
-  planner             the partition / placement planner is not in the library yet (None).
+  planner             the library's partition and placement planner (`semijax.planner`) on the
+                      same devices (`sim.planning`): the run's model and global batch, each
+                      device at its mean speed over the `semi` run, the cluster's links (NVLink
+                      inside a node, InfiniBand between nodes, the region link between regions):
+                      {"seconds": one `search.plan` call, "cluster_s": building the planner's
+                      `Cluster` (its device classes), "mesh", "stage_layers", "predicted_s"};
+                      None above `planner_max` devices.
 
 The numbers are independent of the hardware profile except `decide_ms`, which depends on the
-model's unit counts (the controller's split search runs over units).
+model's unit counts (the controller's split search runs over units), and the planner's, whose
+choices and pruning follow the model's and links' costs.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from semijax.balance import sampling as sampling_lib
 from semijax.balance import speed as speed_lib
 from semijax.core import mesh as mesh_lib
 from semijax.sim import hardware as hardware_lib
+from semijax.sim import planning
 from semijax.sim import simulator
 from semijax.sim import study as study_lib
 
@@ -67,9 +75,23 @@ def _timed(fn, repeats: int) -> float:
   return (time.perf_counter() - t0) / repeats
 
 
+def planner_cost(run: simulator.Run, speeds: np.ndarray) -> dict:
+  """The planner's row entry (module doc) for `run`'s devices at `speeds` float [D]."""
+  t0 = time.perf_counter()
+  cluster = planning.planner_cluster(run.cluster, run.hardware, speeds)
+  t1 = time.perf_counter()
+  plan = planning.plan(run, speeds, cluster)
+  t2 = time.perf_counter()
+  return {"seconds": t2 - t1, "cluster_s": t1 - t0, "mesh": [plan.data, plan.pipe, plan.tensor],
+          "stage_layers": list(plan.stage_layers), "microbatch_size": plan.microbatch_size,
+          "schedule": plan.schedule, "predicted_s": plan.predicted_s}
+
+
 def measure(hw: hardware_lib.Hardware, sizes=study_lib.SIZES, steps: int = 200,
-            scenario: str = "rotating", seed: int = 0, pipe: int = study_lib.PIPE) -> list[dict]:
-  """One row per cluster size (see module doc), from a `semi` run of `steps` under `scenario`."""
+            scenario: str = "rotating", seed: int = 0, pipe: int = study_lib.PIPE,
+            planner_max: int = max(study_lib.SIZES)) -> list[dict]:
+  """One row per cluster size (see module doc), from a `semi` run of `steps` under `scenario`;
+  the planner is timed up to `planner_max` devices."""
   rows = []
   for devices in sizes:
     base = study_lib.base_run(devices, scenario, hw, steps, seed, pipe)
@@ -80,6 +102,8 @@ def measure(hw: hardware_lib.Hardware, sizes=study_lib.SIZES, steps: int = 200,
     mesh = _mesh(devices, base.cluster.tensor)
     tracker = speed_lib.SpeedTracker(base.cluster.tensor)
     sample = np.ones(base.cluster.tensor)
+    planner = (planner_cost(base, planning.mean_speeds(trace, r.step_s))
+               if devices <= planner_max else None)
     rows.append({
         "devices": devices, "stages": base.cluster.pipe,
         "decide_ms": 1e3 * r.stat("decide_s") / decisions,
@@ -89,18 +113,27 @@ def measure(hw: hardware_lib.Hardware, sizes=study_lib.SIZES, steps: int = 200,
         "tensor_times_ms": 1e3 * _timed(lambda: speed_lib.tensor_times(mesh, times), 5),
         "tracker_ms": 1e3 * _timed(lambda: tracker.update(sample, 1.0), 200),
         "processes": max(1, devices // DEVICES_PER_PROCESS),
-        "sample_bytes": sample_bytes(devices), "simulated_s": r.wall_s, "planner": None})
+        "sample_bytes": sample_bytes(devices), "simulated_s": r.wall_s, "planner": planner})
   return rows
+
+
+def _planner_cells(planner: dict | None) -> str:
+  """The markdown cells of a row's planner entry: seconds, cluster seconds, mesh."""
+  if planner is None:
+    return "not run | – | –"
+  mesh = " x ".join(str(x) for x in planner["mesh"])
+  return f"{planner['seconds']:.2f} | {planner['cluster_s']:.2f} | {mesh}"
 
 
 def markdown(rows: list[dict]) -> str:
   lines = ["| devices | processes | decide ms (one stage) | decide ms per step (all stages) "
            "| decide / step time | tensor_times ms | tracker ms | bytes per process per sample "
-           "| simulation s |", "|---" * 9 + "|"]
+           "| simulation s | planner s | planner's cluster s | planned mesh d x p x t |",
+           "|---" * 12 + "|"]
   for x in rows:
     lines.append(
         f"| {x['devices']} | {x['processes']} | {x['decide_ms']:.2f} "
         f"| {x['decide_ms_per_step']:.2f} | {x['decide_ms_per_step'] / 1e3 / x['step_s']:.2%} "
         f"| {x['tensor_times_ms']:.2f} | {x['tracker_ms']:.3f} | {x['sample_bytes']:,} "
-        f"| {x['simulated_s']:.1f} |")
+        f"| {x['simulated_s']:.1f} | {_planner_cells(x['planner'])} |")
   return "\n".join(lines) + "\n"

@@ -81,10 +81,10 @@ class LocalSgd(Mode):
 
 REGISTRY = {s.name: s for s in (Sync, Ssaw, Async, LocalSgd)}
 
-# Parts of DESIGN.md s7 without library code yet: the partition / placement planner (uneven
-# pipeline stages). `StepModel(layers=...)` already takes uneven layer counts per stage for
-# when a planner produces them.
-PENDING = ("planner",)
+# Parts of DESIGN.md s7 without library code yet: none. (The partition and placement planner,
+# `semijax.planner`, is the study's `planner` column: its uneven stages go to
+# `StepModel(layers=...)`, `sim.planning.stage_layers`.)
+PENDING = ()
 
 
 def make(name: str):

@@ -6,8 +6,11 @@ around them (64 devices = 2 replicas, 4,096 = 128). The model is a GPT of about 
 16 sequences per replica per step in 8 microbatches. Every policy runs the same trace (same
 seed) on simulated time; `static` is the oracle: the split of each stage proportional to the
 mean speed its tensor positions had in the `even` run (the slowest replica at each position,
-what one layout per stage can follow). The ideal is total work over total speed: each step's
-even, single-width time at full speed over the cluster's mean device speed at that moment.
+what one layout per stage can follow). `planner` is the oracle with uneven stages: the library's
+planner (`semijax.planner`, through `sim.planning.stage_layers`) chooses each stage's layers for
+the study's mesh and placement from every device's mean speed over the `even` run, and each
+stage's split is the oracle's. The ideal is total work over total speed: each step's even,
+single-width time at full speed over the cluster's mean device speed at that moment.
 
 The columns (`COLUMNS`) are the balancing policies under synchronous data parallelism, and
 `semijax.sync`'s SSAW across the replicas with the even split (`ssaw`) and with `semi` inside
@@ -27,6 +30,7 @@ import numpy as np
 from semijax.balance import settings as settings_lib
 from semijax.sim import cluster as cluster_lib
 from semijax.sim import hardware as hardware_lib
+from semijax.sim import planning
 from semijax.sim import simulator
 from semijax.sim import stage as stage_lib
 from semijax.sim import stepcost
@@ -37,9 +41,12 @@ from semijax.sim import workload as workload_lib
 SIZES = (64, 256, 1024, 4096)
 SCENARIOS = ("none", "persistent", "bursts", "rotating", "fail_slow", "slow_link")
 # {column: (balancing policy, data-parallel strategy)}.
-COLUMNS = {"even": ("even", "sync"), "static": ("static", "sync"), "resize": ("resize", "sync"),
+COLUMNS = {"even": ("even", "sync"), "static": ("static", "sync"),
+           "planner": ("static", "sync"), "resize": ("resize", "sync"),
            "migrate": ("migrate", "sync"), "offload": ("offload", "sync"),
            "semi": ("semi", "sync"), "ssaw": ("even", "ssaw"), "semi+ssaw": ("semi", "ssaw")}
+# The columns whose layers per stage the planner chooses (the others: as even as possible).
+PLANNED = ("planner",)
 POLICIES = tuple(COLUMNS)
 TENSOR, PIPE = 8, 4
 
@@ -88,26 +95,47 @@ def oracle(run: simulator.Run, even: simulator.Result) -> tuple:
                for layers, speeds in zip(model.layers, even.position_speeds))
 
 
+def planned(run: simulator.Run, trace: traces_lib.Trace,
+            even: simulator.Result) -> simulator.Run:
+  """`run` with the planner's layers per stage for the devices' mean speeds in the `even` run
+  (`even`, under `trace`)."""
+  speeds = planning.mean_speeds(trace, even.step_s)
+  return dataclasses.replace(run, layers=planning.stage_layers(run, speeds))
+
+
+def column_run(base: simulator.Run, column: str, trace: traces_lib.Trace,
+               even: simulator.Result) -> simulator.Run:
+  """The run of `column` (`COLUMNS`): its layers, the oracle's split for `static`, strategy."""
+  policy, strategy = COLUMNS[column]
+  run = planned(base, trace, even) if column in PLANNED else base
+  counts = oracle(run, even) if policy == "static" else None
+  return dataclasses.replace(run.with_policy(policy, counts), strategy=strategy)
+
+
+def stage_layers(run: simulator.Run) -> list[int]:
+  """The layers per stage `run` simulates."""
+  return list(stepcost.StepModel(run.workload, run.cluster, run.hardware,
+                                 strategies.make(run.strategy), run.layers).layers)
+
+
 def run_cell(devices: int, scenario: str, hw: hardware_lib.Hardware, steps: int,
              policies=POLICIES, seed: int = 0, params: dict | None = None,
              pipe: int = PIPE) -> list[dict]:
   """Every policy of one (cluster size, scenario): rows for `run`'s cells."""
   base = base_run(devices, scenario, hw, steps, seed, pipe)
   trace = trace_for(base, scenario, params, seed)
+  runs = {"even": base}
   results = {"even": simulator.simulate(base, trace)}
   for column in policies:
-    if column == "even":
-      continue
-    policy, strategy = COLUMNS[column]
-    counts = oracle(base, results["even"]) if policy == "static" else None
-    run = dataclasses.replace(base.with_policy(policy, counts), strategy=strategy)
-    results[column] = simulator.simulate(run, trace)
+    if column != "even":
+      runs[column] = column_run(base, column, trace, results["even"])
+      results[column] = simulator.simulate(runs[column], trace)
   even = results["even"]
   rows = []
   for column in policies:
     r = results[column]
     rows.append({"devices": devices, "scenario": scenario, **r.to_json(), "policy": column,
-                 "strategy": COLUMNS[column][1],
+                 "strategy": COLUMNS[column][1], "stage_layers": stage_layers(runs[column]),
                  "vs_even": r.tokens_per_s / even.tokens_per_s,
                  "vs_ideal": r.tokens_per_s / even.ideal_tokens_per_s,
                  "decide_ms_per_step": 1e3 * r.stat("decide_s") / steps,
@@ -165,4 +193,16 @@ def markdown(study: dict) -> str:
       lines.append(f"| {scenario} | {devices} | {even['vs_ideal']:.2f} | " + " | ".join(cells)
                    + f" | {semi['migrations'] if semi else '–'} "
                      f"| {semi['resized_steps'] if semi else '–'} |")
+  return "\n".join(lines) + "\n"
+
+
+def layers_markdown(study: dict, column: str = "planner") -> str:
+  """The layers per stage `column` simulated, per scenario (rows) and cluster size (columns)."""
+  by = {(c["scenario"], c["devices"]): c for c in study["cells"] if c["policy"] == column}
+  lines = ["| scenario | " + " | ".join(str(d) for d in study["sizes"]) + " |",
+           "|---" * (1 + len(study["sizes"])) + "|"]
+  for scenario in study["scenarios"]:
+    cells = [", ".join(str(x) for x in by[(scenario, d)]["stage_layers"]) if (scenario, d) in by
+             else "–" for d in study["sizes"]]
+    lines.append(f"| {scenario} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"

@@ -9,6 +9,7 @@ from jax.experimental import multihost_utils
 from semijax.balance import speed
 from semijax.core import mesh as mesh_lib
 from semijax.sim import overhead
+from semijax.sim import profiles
 
 
 @pytest.mark.parametrize("devices", [256, 4096])     # beyond the key-value store's processes
@@ -36,3 +37,14 @@ def test_the_mesh_stand_in_matches_a_real_mesh():
   ids = {int(d.id): i for i, d in enumerate(real.devices.flat)}
   remapped = {i: times[d] for d, i in ids.items()}
   assert np.array_equal(speed.tensor_times(stand_in, remapped), want)
+
+
+def test_the_report_carries_the_planners_own_time():
+  rows = overhead.measure(profiles.gpu_h100(0.03), sizes=(64,), steps=10)
+  (row,) = rows
+  planner = row["planner"]
+  assert planner["seconds"] > 0 and planner["cluster_s"] > 0
+  assert np.prod(planner["mesh"]) == 64 and sum(planner["stage_layers"]) == 32
+  assert "| 64 |" in overhead.markdown(rows)
+  (skipped,) = overhead.measure(profiles.gpu_h100(0.03), sizes=(64,), steps=10, planner_max=32)
+  assert skipped["planner"] is None and "not run" in overhead.markdown([skipped])

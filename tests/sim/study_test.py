@@ -20,6 +20,8 @@ def test_a_small_study_has_every_column_and_its_references():
   assert cells[("rotating", "ssaw")]["mean_staleness"] > 0
   table = study.markdown(result)
   assert table.count("\n") == 2 + 2 and "semi+ssaw" in table
+  assert cells[("none", "planner")]["stage_layers"] == [8, 8, 8, 8]
+  assert "| none | 8, 8, 8, 8 |" in study.layers_markdown(result)
 
 
 def test_overhead_rows():
