@@ -30,7 +30,6 @@ from typing import Iterator
 
 import numpy as np
 
-from semijax.planner import evaluate
 from semijax.planner import request as request_lib
 from semijax.planner import split as split_lib
 
@@ -101,19 +100,9 @@ def search(req: request_lib.Request,
     parts = split_lib.compositions(req.costs.num_layers, shape[1])
     for labels in canonical_label_grids(classes, shape):
       grid = device_grid(labels, classes)
-      for mb in req.microbatch_sizes:
-        m_ = req.global_batch // mb
-        if m_ < shape[0]:
+      for gc, mb, sync, bound in request_lib.bounded(req, grid, shape[0]):
+        if best is not None and bound >= best.value:
           continue
-        gc = evaluate.GridCosts.of(grid, req.costs, req.cluster, req.tokens(mb))
-        for sync in req.syncs:
-          bound = evaluate.lower_bound(gc, req.costs, m_, sync == "sync")
-          if best is not None and bound >= best.value:
-            continue
-          for sched in req.schedules:
-            values = evaluate.assess(gc, req.costs, parts, sched, m_, sync)
-            i = int(np.argmin(values))
-            if np.isfinite(values[i]) and (best is None or values[i] < best.value):
-              best = request_lib.Candidate(float(values[i]), grid, tuple(int(x) for x in parts[i]),
-                                           mb, sched, sync)
+        for sched in req.schedules:
+          best = request_lib.better(best, request_lib.cheapest(req, gc, parts, mb, sched, sync))
   return best

@@ -152,27 +152,18 @@ def search(req: request_lib.Request) -> request_lib.Candidate | None:
   entries = []
   for shape in req.factorizations():
     for grid in layouts(path, shape):
-      for mb in req.microbatch_sizes:
-        m_ = req.global_batch // mb
-        if m_ < shape[0]:
-          continue
-        gc = evaluate.GridCosts.of(grid, req.costs, req.cluster, req.tokens(mb))
-        for sync in req.syncs:
-          bound = evaluate.lower_bound(gc, req.costs, m_, sync == "sync")
-          entries.append((bound, len(entries), gc, mb, sync))
+      for gc, mb, sync, bound in request_lib.bounded(req, grid, shape[0]):
+        entries.append((bound, len(entries), gc, mb, sync))
   entries.sort(key=lambda x: x[:2])
   starts = []
   for bound, _, gc, mb, sync in entries:
     if len(starts) >= REFINED and bound >= starts[REFINED - 1][0]:
       break
-    m_ = req.global_batch // mb
     parts = starting_layers(gc, req.costs.num_layers)
     for sched in req.schedules:
-      values = evaluate.assess(gc, req.costs, parts, sched, m_, sync)
-      i = int(np.argmin(values))
-      if np.isfinite(values[i]):
-        starts.append((float(values[i]), len(starts) + len(entries), gc, request_lib.Candidate(
-            float(values[i]), gc.grid, tuple(int(x) for x in parts[i]), mb, sched, sync)))
+      cand = request_lib.cheapest(req, gc, parts, mb, sched, sync)
+      if cand is not None:
+        starts.append((cand.value, len(starts) + len(entries), gc, cand))
         starts.sort(key=lambda x: x[:2])
   best = None
   for _, _, gc, cand in starts[:REFINED]:

@@ -11,7 +11,7 @@ them by the planner's rules).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from semijax import errors
 from semijax.core import schedule as schedule_lib
 from semijax.planner import cluster as cluster_lib
 from semijax.planner import costs as costs_lib
+from semijax.planner import evaluate
 from semijax.sync import settings as sync_settings
 
 
@@ -95,6 +96,33 @@ def better(a: Candidate | None, b: Candidate | None) -> Candidate | None:
   if b is None or (a is not None and a.value <= b.value):
     return a
   return b
+
+
+def bounded(req: Request, grid: np.ndarray,
+            data: int) -> Iterator[tuple[evaluate.GridCosts, int, str, float]]:
+  """(grid costs, microbatch size, sync mode, `evaluate.lower_bound`) of `grid` (int
+  [R, S, N] device ids, `data` = R pipelines) for every microbatch size that gives each
+  pipeline at least one microbatch, and every sync mode: what both searches enumerate."""
+  for mb in req.microbatch_sizes:
+    m_ = req.global_batch // mb
+    if m_ < data:
+      continue
+    gc = evaluate.GridCosts.of(grid, req.costs, req.cluster, req.tokens(mb))
+    for sync in req.syncs:
+      yield gc, mb, sync, evaluate.lower_bound(gc, req.costs, m_, sync == "sync")
+
+
+def cheapest(req: Request, gc: evaluate.GridCosts, partitions: np.ndarray, microbatch_size: int,
+             schedule: str, sync: str) -> Candidate | None:
+  """The fastest of `partitions` (int [K, S] layers per stage) on `gc`, priced by
+  `evaluate.assess`; None when none fits in memory."""
+  values = evaluate.assess(gc, req.costs, partitions, schedule,
+                           req.global_batch // microbatch_size, sync)
+  i = int(np.argmin(values))
+  if not np.isfinite(values[i]):
+    return None
+  return Candidate(float(values[i]), gc.grid, tuple(int(x) for x in partitions[i]),
+                   microbatch_size, schedule, sync)
 
 
 def as_request(costs, cluster, global_batch, microbatch_sizes: Sequence[int] = (1,),
