@@ -194,9 +194,7 @@ def _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_war
   compiles_before = engine.compile_count
   state = balancer.warm_up(state, engine.shard_batch(dataset.train_batch(start)), eval_batches[0],
                            step=start)
-  if jax.process_count() > 1:     # start together (a process still compiling would stall step 1)
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices("semijax warm-up")
+  steps_lib.start_together("semijax warm-up")
   say(f"warm-up: policy {balancer.policy.name}, {engine.compile_count - compiles_before} step "
       f"programs compiled, {time.perf_counter() - t0:.1f} s")
   if after_warmup is not None:

@@ -248,9 +248,7 @@ class Trainer:
     t0 = time.perf_counter()
     batch = self.setup.engine.arrange_batch(self.dataset.train_batch(step), self.counts)
     self.setup.engine.compile(self.state, batch, self.pplan, self.eval_batches[0])
-    if jax.process_count() > 1:    # start together (a process still compiling would stall)
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      multihost_utils.sync_global_devices("semijax pipelined warm-up")
+    steps_lib.start_together("semijax pipelined warm-up")
     return time.perf_counter() - t0
 
   def step(self, step: int) -> tuple[dict, float]:

@@ -6,12 +6,20 @@ from __future__ import annotations
 import math
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
 
 CONSOLE_NAMES = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "val_accuracy"}
+
+
+def start_together(name: str) -> None:
+  """Waits for every process after the warm-up (a process still compiling would stall the
+  first step's collectives); nothing with one process."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
 
 
 def learning_rates(run) -> np.ndarray:
