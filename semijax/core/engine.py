@@ -203,11 +203,8 @@ class Engine:
     return self.state_shardings(abstract.params)
 
   def state_shardings(self, params_abstract) -> TrainState:
-    opt = jax.eval_shape(self.tx.init, params_abstract)
-    opt_sh = optax.tree_utils.tree_map_params(
-        self.tx, lambda x, a: NamedSharding(self.mesh, a.spec()), opt, self.axes,
-        transform_non_params=lambda x: self.replicated)
-    return TrainState(self.param_shardings, opt_sh)
+    return TrainState(self.param_shardings,
+                      sharding.opt_shardings(self.tx, params_abstract, self.axes, self.mesh))
 
   def tree_axes(self, tree):
     """The `Axes` tree of a `TrainState` (moments get their parameter's axes) or of a
@@ -313,6 +310,29 @@ class Engine:
     """Mean loss over the global batch, and the summed terms."""
     terms = self.loss_terms_fn(params, batch, plan)
     return terms["loss_sum"] / terms["count"], terms
+
+  def replica_grads_and_terms(self, stacked_params, batch, plan):
+    """Each data replica's own gradients, on its own parameters: stacked_params [R, *P]
+    (global; row r on replica r's tensor group) -> (gradients [R, *P] of each replica's mean
+    loss over its own rows of `batch`, loss terms {name: [R]}). Nothing is summed over `data`
+    (the replica modes of `semijax.sync` combine them)."""
+    stacked = jax.tree.map(lambda a: P(mesh_lib.DATA, *a.spec()), self.axes)
+    in_specs = (stacked, jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
+                plan_lib.plan_specs(plan))
+
+    def local(params, batch, plan):
+      params = jax.tree.map(lambda x: x[0], params)
+      terms = self.loss_terms(nnx.merge(self.graphdef, params)(batch[self.input_key], plan),
+                              batch)
+      return jax.tree.map(lambda t: jnp.reshape(t, (1,)), terms)
+
+    def losses(stacked_params):
+      terms = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
+                            out_specs=P(mesh_lib.DATA))(stacked_params, batch, plan)
+      return jnp.sum(terms["loss_sum"] / terms["count"]), terms
+
+    (_, terms), grads = jax.value_and_grad(losses, has_aux=True)(stacked_params)
+    return grads, terms
 
   def logits(self, params, batch, plan) -> jax.Array:
     """Logits [global batch, ...] (batch split over data), for tests and inspection."""

@@ -315,11 +315,7 @@ class PipelineEngine:
     return TrainState(params, self.tx.init(params))
 
   def logical_shardings(self) -> TrainState:
-    abstract = jax.eval_shape(functools.partial(self._logical_init, 0))
-    opt = optax.tree_utils.tree_map_params(
-        self.tx, lambda x, a: NamedSharding(self.mesh, a.spec()), abstract.opt_state,
-        self.axes, transform_non_params=lambda x: self.replicated)
-    return TrainState(self.param_shardings, opt)
+    return self.state_shardings(jax.eval_shape(functools.partial(self._logical_init, 0)).params)
 
   def init_logical(self, seed: int) -> TrainState:
     """The sharded logical state from `seed`, built under its sharding (no replicated copy)."""
@@ -468,13 +464,20 @@ class PipelineEngine:
     x, _ = jax.lax.scan(body, x, (stack, slots))
     return x
 
-  def _local(self, params, batch, pplan, *, train: bool):
-    """The per-device body (inside shard_map): the tick loop (see module doc)."""
+  def _local(self, params, batch, pplan, *, train: bool, per_replica: bool = False):
+    """The per-device body (inside shard_map): the tick loop (see module doc).
+
+    per_replica: `params` are stacked [1, *local] (this data replica's own copy), the loss is
+    normalized by this pipeline's own tokens and nothing is summed over `data`: gradients come
+    back [1, *local] and terms [1] (`replica_grads_and_terms`)."""
+    if per_replica:
+      params = jax.tree.map(lambda x: x[0], params)
     s = jax.lax.axis_index(PIPE)
     is_first, is_last = s == 0, s == self.stages - 1
     m_count = self.microbatches
     mbs = jax.tree.map(lambda x: x.reshape((m_count, -1) + x.shape[1:]), batch)
-    total = jax.lax.psum(jnp.sum(batch["weights"]), DATA)
+    over_data = (lambda x: x) if per_replica else (lambda x: jax.lax.psum(x, DATA))
+    total = over_data(jnp.sum(batch["weights"]))
     plan = plan_lib.Plan({k: v.reshape(1) for k, v in pplan.active.items()}, pplan.widths)
     count = pplan.layers.reshape(())
     table = jnp.take(pplan.table[0], s, axis=1)                         # [T, 2]
@@ -549,20 +552,33 @@ class PipelineEngine:
 
     carry, _ = jax.lax.scan(tick, carry, table)
     terms = jax.tree.map(_invariant_over_tensor,
-                         jax.lax.psum(jax.lax.psum(carry["terms"], PIPE), DATA))
+                         over_data(jax.lax.psum(carry["terms"], PIPE)))
     if not train:
       return terms
     d_shared = jax.tree.map(_invariant_over_tensor,
-                            jax.lax.psum(jax.lax.psum(carry["d_shared"], PIPE), DATA))
-    d_stack = jax.lax.psum(carry["d_stack"], DATA)
-    return {SHARED: d_shared, STACK: d_stack}, terms
+                            over_data(jax.lax.psum(carry["d_shared"], PIPE)))
+    grads = {SHARED: d_shared, STACK: over_data(carry["d_stack"])}
+    if per_replica:
+      lead = lambda x: x[None]
+      return jax.tree.map(lead, grads), jax.tree.map(lead, terms)
+    return grads, terms
 
-  def _sharded(self, fn, out_specs, params, batch, pplan):
+  def _sharded(self, fn, out_specs, params, batch, pplan, param_specs=None):
     plan_specs = PipePlan({k: P(PIPE, TENSOR) for k in pplan.active}, P(PIPE), P(DATA),
                           pplan.widths)
-    in_specs = (sharding.specs(self.axes), jax.tree.map(lambda _: P(DATA), batch), plan_specs)
+    param_specs = sharding.specs(self.axes) if param_specs is None else param_specs
+    in_specs = (param_specs, jax.tree.map(lambda _: P(DATA), batch), plan_specs)
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
         params, batch, pplan)
+
+  def replica_grads_and_terms(self, stacked_params, batch, pplan):
+    """Each data-parallel pipeline's own gradients, on its own parameters: stacked_params
+    [R, *P] (global; row d on pipeline d's devices) -> (gradients [R, *P] of each pipeline's
+    mean loss over its own microbatches' tokens, loss terms {name: [R]}). Nothing is summed over
+    `data` (the replica modes of `semijax.sync` combine them)."""
+    stacked = jax.tree.map(lambda s: P(DATA, *s), sharding.specs(self.axes))
+    return self._sharded(functools.partial(self._local, train=True, per_replica=True),
+                         (stacked, P(DATA)), stacked_params, batch, pplan, param_specs=stacked)
 
   def grads_and_terms(self, params, batch, pplan):
     """(gradients like `params`, summed loss terms) of one step's global batch."""
@@ -606,6 +622,16 @@ class PipelineEngine:
   def compile(self, state: TrainState, batch, pplan: PipePlan, eval_batch=None) -> None:
     self._compiled_fn("train", state, batch, pplan)
     self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch, pplan)
+
+  def state_shardings(self, params_abstract) -> TrainState:
+    """Shardings of a padded train state with parameters shaped like `params_abstract`."""
+    return TrainState(self.param_shardings,
+                      sharding.opt_shardings(self.tx, params_abstract, self.axes, self.mesh))
+
+  def shard_batch(self, batch: dict) -> dict:
+    """`arrange_batch` with `self.microbatches` microbatches for every pipeline (the replica
+    modes: pipeline d takes rows [d B / R, (d + 1) B / R) of the global batch)."""
+    return self.arrange_batch(batch, (self.microbatches,) * self.data_size)
 
   def train_step(self, state: TrainState, batch, pplan: PipePlan):
     """One optimizer step; `state` is donated. Returns (new state, metrics dict of scalars)."""

@@ -122,3 +122,13 @@ def map_params(tx: optax.GradientTransformation, fn, opt_state, axes, non_params
   """
   return optax.tree_utils.tree_map_params(tx, fn, opt_state, axes,
                                           transform_non_params=non_params)
+
+
+def opt_shardings(tx: optax.GradientTransformation, params_abstract, axes,
+                  mesh: jax.sharding.Mesh) -> Any:
+  """Shardings of `tx`'s state for parameters shaped like `params_abstract`: each moment placed
+  like its parameter, the other leaves (counts) replicated."""
+  opt = jax.eval_shape(tx.init, params_abstract)
+  replicated = NamedSharding(mesh, P())
+  return map_params(tx, lambda x, a: NamedSharding(mesh, a.spec()), opt, axes,
+                    lambda x: replicated)

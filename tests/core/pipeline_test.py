@@ -166,3 +166,33 @@ def test_bad_layouts_and_microbatches_are_named():
     eng.check_layout(pipeline.PipeLayout.build(4, (1, 1, 2), UNEVEN + UNEVEN[:1]))
   with pytest.raises(ValueError, match="pipeline.microbatches"):
     eng.plan(stage_layout((1, 3)), (3, 1))
+
+
+def test_per_pipeline_gradients_are_each_pipelines_own():
+  """`replica_grads_and_terms` (the replica modes' gradients): pipeline d, on its own
+  parameters, gives the gradient of the mean loss over its own rows only; with the same
+  parameters everywhere their token-weighted sum is the synchronous step's gradient."""
+  eng = make(2, 2, microbatches=2)
+  layout = stage_layout((1, 3))
+  state = eng.to_padded(eng.init_logical(0), layout)
+  other = eng.to_padded(eng.init_logical(1), layout)
+  pplan = eng.plan(layout)
+  rows = H.make_batch("gpt", 0, 8)
+  batch = eng.shard_batch(rows)
+  grads, terms = jax.jit(eng.grads_and_terms)(state.params, batch, pplan)
+  stacked = jax.tree.map(lambda a, b: np.stack([np.asarray(a), np.asarray(b)]), state.params,
+                         other.params)
+  rep, rep_terms = jax.jit(eng.replica_grads_and_terms)(stacked, batch, pplan)
+  count = np.asarray(rep_terms["count"])
+  assert count.shape == (2,) and count.sum() == float(terms["count"])
+  # Pipeline 0 ran on `state`: its gradient is the step's on its half of the batch alone.
+  half = eng.shard_batch(jax.tree.map(lambda x: np.concatenate([x[:4], x[:4]]), rows))
+  own, _ = jax.jit(eng.grads_and_terms)(state.params, half, pplan)
+  H.assert_trees_close(jax.tree.map(lambda x: x[0], rep), own, atol=ATOL)
+  # Same parameters on both: the token-weighted sum is the global gradient.
+  same = jax.tree.map(lambda a: np.stack([np.asarray(a)] * 2), state.params)
+  rep, rep_terms = jax.jit(eng.replica_grads_and_terms)(same, batch, pplan)
+  w = np.asarray(rep_terms["count"]) / float(terms["count"])
+  H.assert_trees_close(jax.tree.map(lambda x: w[0] * x[0] + w[1] * x[1], rep), grads, atol=ATOL)
+  assert not np.allclose(np.asarray(rep_terms["loss_sum"])[0] / count[0],
+                         np.asarray(rep_terms["loss_sum"])[1] / count[1])
