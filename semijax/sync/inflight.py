@@ -6,6 +6,11 @@ padded, stacked trees [R, *P] on the devices. A checkpoint stores them in *logic
 host, [R, *L] numpy with every unit axis in logical unit order (no padding), so a run resumes
 onto any layout; `to_logical` / `to_padded` convert with the layout's slot indices.
 
+`forms(engine)` gives the conversion for an engine: `UnitForms` for the tensor-parallel engine
+(`core.engine`, the slot indices above), `PipeForms` for the pipelined one (`core.pipeline`:
+each replica's row through the engine's own migration to its logical form, so a pipelined run
+resumes onto another partition of its layers or units).
+
 This goes through host memory: right for the models this repository trains on CPUs; a large
 model would convert on the devices (the engine's migration collective) instead.
 """
@@ -13,9 +18,12 @@ model would convert on the devices (the engine's migration collective) instead.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from semijax.core import engine as engine_lib
 from semijax.core import layout as layout_lib
+from semijax.core import pipeline as pipeline_lib
 from semijax.core import sharding as sharding_lib
 
 
@@ -105,3 +113,81 @@ def unflat(template, leaves: dict):
   if len(leaves) != n:
     raise ValueError(f"checkpoint: {len(leaves)} in-flight arrays, but this run keeps {n}")
   return jax.tree.unflatten(jax.tree.structure(template), [leaves[str(i)] for i in range(n)])
+
+
+# --- one interface for both engines ---------------------------------------------------------------
+
+
+class UnitForms:
+  """In-flight trees of a tensor-parallel `engine.Engine` <-> flat host logical copies.
+
+  `tree`s are parameter-shaped or `TrainState`s, with `leading` replica axes ([R, *P]: 1;
+  [*P]: 0); `layout` the engine's `Layout`.
+  """
+
+  def __init__(self, engine: engine_lib.Engine):
+    self.engine = engine
+
+  def to_host(self, tree, layout, *, leading: int = 1) -> dict:
+    """`flat` of the logical copy of a padded device tree."""
+    e = self.engine
+    if isinstance(tree, engine_lib.TrainState):
+      return flat(state_to_logical(tree, e.tx, e.axes, layout, e.unit_sizes, leading=leading))
+    return flat(to_logical(tree, e.axes, layout, e.unit_sizes, leading=leading))
+
+  def to_device(self, leaves: dict, like, layout, shardings, *, leading: int = 1):
+    """`to_host`'s leaves, padded in `layout` and placed with `shardings`; `like` is a device
+    tree of the same structure (the run's current one)."""
+    e = self.engine
+    if isinstance(like, engine_lib.TrainState):
+      logical = unflat({"params": like.params, "opt_state": like.opt_state}, leaves)
+      params, opt = state_to_padded(logical, e.tx, e.axes, layout, e.unit_sizes, leading=leading)
+      return put(engine_lib.TrainState(params, opt), shardings)
+    logical = unflat(e.axes, leaves)
+    return put(to_padded(logical, e.axes, layout, e.unit_sizes, leading=leading), shardings)
+
+
+class PipeForms:
+  """`UnitForms` for a `pipeline.PipelineEngine` (`layout` a `PipeLayout`): every replica's row
+  goes through the engine's migration (`to_logical` / `to_padded`) on its own."""
+
+  def __init__(self, engine: pipeline_lib.PipelineEngine):
+    self.engine = engine
+
+  def _plain_shardings(self, tree):
+    e = self.engine
+    if isinstance(tree, engine_lib.TrainState):
+      return e.state_shardings(tree.params)
+    return e.param_shardings
+
+  def _rows(self, tree, leading: int) -> list:
+    if not leading:
+      return [tree]
+    n = jax.tree.leaves(tree)[0].shape[0]
+    return [jax.tree.map(lambda x, r=r: x[r], tree) for r in range(n)]
+
+  def to_host(self, tree, layout, *, leading: int = 1) -> dict:
+    e = self.engine
+    rows = []
+    for row in self._rows(tree, leading):
+      row = jax.device_put(row, self._plain_shardings(row))
+      rows.append(jax.device_get(e.to_logical(row, layout, donate=True)))
+    host = rows[0] if not leading else jax.tree.map(lambda *x: np.stack(x), *rows)
+    return flat(host)
+
+  def to_device(self, leaves: dict, like, layout, shardings, *, leading: int = 1):
+    e = self.engine
+    host = unflat(like, leaves)
+    rows = []
+    for row in self._rows(host, leading):
+      row = jax.device_put(row, self._plain_shardings(row))
+      rows.append(e.to_padded(row, layout, donate=True))
+    tree = rows[0] if not leading else jax.tree.map(lambda *x: jnp.stack(x), *rows)
+    return jax.device_put(tree, shardings)
+
+
+def forms(engine) -> UnitForms | PipeForms:
+  """The in-flight conversions of `engine`'s kind."""
+  if isinstance(engine, pipeline_lib.PipelineEngine):
+    return PipeForms(engine)
+  return UnitForms(engine)

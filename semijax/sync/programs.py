@@ -1,4 +1,7 @@
-"""The compiled programs of the replica modes, built from an engine's model, loss and optimizer.
+"""The compiled programs of the replica modes, built from an engine's per-replica gradients
+(`replica_grads_and_terms`: a tensor-parallel `core.engine.Engine`, whose replicas are tensor
+groups, or a `core.pipeline.PipelineEngine`, whose replicas are data-parallel pipelines) and
+its optimizer.
 
 Shapes: R = replicas (the `data` mesh axis), P = a padded parameter (local: its `tensor`
 shard). A *stacked* tree has a leading replica axis [R, *P] split over `data`, so each replica
@@ -22,12 +25,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from semijax.core import engine as engine_lib
 from semijax.core import mesh as mesh_lib
-from semijax.core import plan as plan_lib
+from semijax.sync import inflight
 from semijax.sync import settings as settings_lib
 
 
@@ -45,15 +47,16 @@ class Programs:
   """The replica programs of one engine (see module doc).
 
   Args:
-    engine: the run's engine (model, loss, optimizer, (data, tensor) mesh).
+    engine: the run's engine (model, loss, optimizer; a (data, tensor) or (data, pipe, tensor)
+      mesh).
     settings: the run's `SyncSettings` (local SGD's outer optimizer).
   """
 
   def __init__(self, engine: engine_lib.Engine, settings: settings_lib.SyncSettings):
     self.engine, self.settings = engine, settings
     self.num_replicas = engine.data_size
-    self.param_specs = jax.tree.map(lambda a: P(mesh_lib.DATA, *a.spec()), engine.axes)
     self.stacked_params = jax.tree.map(_stacked, engine.param_shardings)
+    self.forms = inflight.forms(engine)     # in-flight trees <-> host logical copies
     self._state_shardings = None     # of the padded state, known from the first state seen
     self._jitted: dict = {}
 
@@ -121,28 +124,12 @@ class Programs:
     return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
         jnp.broadcast_to(x, (r,) + x.shape), s), tree, shardings)
 
-  def _replica_losses(self, stacked_params, batch, plan):
-    """(sum over replicas of each replica's mean loss, per-replica terms {name: [R]})."""
-    e = self.engine
-
-    def local(params, batch, plan):
-      params = jax.tree.map(lambda x: x[0], params)
-      terms = e.loss_terms(nnx.merge(e.graphdef, params)(batch[e.input_key], plan), batch)
-      return jax.tree.map(lambda t: jnp.reshape(t, (1,)), terms)
-
-    in_specs = (self.param_specs, jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
-                plan_lib.plan_specs(plan))
-    terms = jax.shard_map(local, mesh=e.mesh, in_specs=in_specs, out_specs=P(mesh_lib.DATA))(
-        stacked_params, batch, plan)
-    return jnp.sum(terms["loss_sum"] / terms["count"]), terms
-
   # --- the programs ---------------------------------------------------------------------------
 
   def _compute(self, params, pending, batch, plan, start):
     """(pending with the flagged replicas' new mean gradients [R, *P], terms {name: [R]})."""
     stacked = self._broadcast(params, self.stacked_params)
-    (_, terms), grads = jax.value_and_grad(self._replica_losses, has_aux=True)(
-        stacked, batch, plan)
+    grads, terms = self.engine.replica_grads_and_terms(stacked, batch, plan)
     pending = jax.tree.map(lambda g, old: jnp.where(_per_replica(start, g), g, old),
                            grads, pending)
     return pending, terms
@@ -166,8 +153,7 @@ class Programs:
 
   def _local(self, replicas: engine_lib.TrainState, batch, plan):
     """One local step of every replica on its own microbatch. Returns (replicas, terms)."""
-    (_, terms), grads = jax.value_and_grad(self._replica_losses, has_aux=True)(
-        replicas.params, batch, plan)
+    grads, terms = self.engine.replica_grads_and_terms(replicas.params, batch, plan)
     updates, opt_state = jax.vmap(self.engine.tx.update)(grads, replicas.opt_state,
                                                          replicas.params)
     params = optax.apply_updates(replicas.params, updates)

@@ -24,9 +24,7 @@ import jax
 import numpy as np
 
 from semijax.core import engine as engine_lib
-from semijax.core import layout as layout_lib
 from semijax.core import plan as plan_lib
-from semijax.sync import inflight
 from semijax.sync import programs as programs_lib
 from semijax.sync import settings as settings_lib
 from semijax.sync import timeline as timeline_lib
@@ -156,19 +154,16 @@ class RoundRunner:
 
   # --- checkpoints ----------------------------------------------------------------------------
 
-  def state_dict(self, layout: layout_lib.Layout) -> dict:
+  def state_dict(self, layout) -> dict:
     """The in-flight state (clock, claims, pending gradients in logical form) as numpy."""
-    e = self.engine
-    pending = inflight.to_logical(self.pending, e.axes, layout, e.unit_sizes)
     return {"timeline": self.timeline.state_dict(), "applied": np.int64(self.applied),
-            "deferred": np.bool_(self.deferred), "pending": inflight.flat(pending)}
+            "deferred": np.bool_(self.deferred),
+            "pending": self.programs.forms.to_host(self.pending, layout)}
 
-  def load_state_dict(self, state: dict, layout: layout_lib.Layout) -> None:
+  def load_state_dict(self, state: dict, layout) -> None:
     """Restores `state_dict`'s in-flight state onto `layout` (after `bind`)."""
-    e = self.engine
     self.timeline.load_state_dict(state["timeline"])
     self.applied = int(state["applied"])
     self.deferred = bool(state["deferred"])
-    logical = inflight.unflat(e.axes, state["pending"])
-    padded = inflight.to_padded(logical, e.axes, layout, e.unit_sizes)
-    self.pending = inflight.put(padded, self.programs.stacked_params)
+    self.pending = self.programs.forms.to_device(state["pending"], self.pending, layout,
+                                                 self.programs.stacked_params)

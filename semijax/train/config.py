@@ -76,6 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Examples per microbatch to choose from ("2,4" or a tuple); () = every divisor of batch_size.
   c.planner.microbatch_sizes = ml_collections.FieldReference((), field_type=object)
   c.planner.schedules = ("gpipe", "1f1b")
+  # Data-parallel sync modes the planner chooses among ("sync,ssaw" or a tuple); () = the one
+  # of sync.mode. The run then combines its pipelines as the plan says (config.sync's settings).
+  c.planner.syncs = ml_collections.FieldReference((), field_type=object)
 
   c.layout = ml_collections.ConfigDict()
   # "even" or owned units per tensor device: a tuple, or "30,30,8,30" (typed `object` so that
@@ -273,6 +276,7 @@ class PipelineSpec:
     microbatch_sizes, schedules: the planner's choices (() sizes: every divisor of the batch).
     devices: the emulated speeds and links (`core.emulation.Devices`), or None.
     memory_gb: memory of every device for the planner (0: unbounded).
+    syncs: the data-parallel sync modes the planner chooses among (`config.planner.syncs`).
   """
 
   schedule: str
@@ -287,6 +291,7 @@ class PipelineSpec:
   schedules: tuple[str, ...] = ("gpipe", "1f1b")
   devices: emulation.Devices | None = None
   memory_gb: float = 0.0
+  syncs: tuple[str, ...] = ("sync",)
 
 
 def _check_keys(node, schema: dict, prefix: str) -> None:
@@ -443,9 +448,6 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
     raise ConfigError(f"config.balance.policy: pipelined and planned runs use the fixed layout of "
                       f"their config or plan (policies {list(PIPELINE_POLICIES)}), not "
                       f"{config.balance.policy!r}")
-  if config.sync.mode != "sync":
-    raise ConfigError(f"config.sync.mode: pipelined and planned runs combine their pipelines "
-                      f"synchronously ('sync'), not {config.sync.mode!r}")
   schedule = config.pipeline.schedule
   if schedule not in schedule_lib.SCHEDULES:
     raise ConfigError(f"config.pipeline.schedule: {schedule!r} is not one of "
@@ -503,9 +505,10 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
   if not schedules or any(x not in schedule_lib.SCHEDULES for x in schedules):
     raise ConfigError(f"config.planner.schedules: need a non-empty subset of "
                       f"{list(schedule_lib.SCHEDULES)}, got {schedules}")
+  syncs = _syncs(config)
   pipeline = PipelineSpec(schedule, micro, layers, capacity, units["mlp"], units["heads"],
                           _int(config.layout.num_widths, "layout.num_widths"), plan, sizes,
-                          schedules, devices, float(memory))
+                          schedules, devices, float(memory), syncs)
   o = config.optimizer
   optimizer = optimizer_lib.OptimizerSpec(o.learning_rate, o.warmup_steps, o.weight_decay, o.b1,
                                           o.b2, o.grad_clip, o.schedule_steps).validate()
@@ -516,10 +519,32 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
   known = {f.name for f in dataclasses.fields(settings_lib.BalanceSettings)}
   balance = settings_lib.BalanceSettings(**{k: v for k, v in config.balance.items()
                                             if k in known}).validate(policies_lib.REGISTRY)
+  # A plan's pipelines are counted when it is made (`pipelined.for_plan`).
+  replicas = max(mesh.data, 2) if plan else mesh.data
+  sync = _sync(config, dataclasses.replace(mesh, data=replicas), balance, resize, num_devices, 1)
+  if process_count > 1 and (set(syncs) | {sync.mode}) != {"sync"}:
+    raise ConfigError(f"config.sync.mode: pipelined runs over {process_count} processes combine "
+                      f"their pipelines synchronously ('sync'); the replica modes "
+                      f"{sorted(set(syncs) | {sync.mode} - {'sync'})} run pipelines in one "
+                      "process")
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer,
-                   data_lib.DataSpec.from_config(config), config.to_dict(), pipeline=pipeline)
+                   data_lib.DataSpec.from_config(config), config.to_dict(), sync=sync,
+                   pipeline=pipeline)
+
+
+def _syncs(config) -> tuple[str, ...]:
+  """`config.planner.syncs` -> the sync modes the planner chooses among (() = sync.mode's)."""
+  value = config.planner.syncs
+  if isinstance(value, str):
+    value = value.split(",")
+  syncs = tuple(str(x).strip() for x in value if str(x).strip()) or (config.sync.mode,)
+  bad = [x for x in syncs if x not in sync_settings_lib.MODES]
+  if bad:
+    raise ConfigError(f"config.planner.syncs: {bad} are not sync modes "
+                      f"{list(sync_settings_lib.MODES)}")
+  return syncs
 
 
 def parse_numbers_int(value, field: str) -> tuple[int, ...]:

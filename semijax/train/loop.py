@@ -125,16 +125,6 @@ def _counts(layout_json: dict, kind: str) -> tuple:
   return tuple(len(o) for o in layout_json[kind]["owned"])
 
 
-def _evaluate(engine, params, batches, plan) -> dict:
-  """Validation loss and accuracy: summed over every evaluation batch, divided once."""
-  totals = None
-  for b in batches:    # summed on the host: adding device scalars would compile on the way
-    terms = jax.device_get(engine.eval_terms(params, b, plan))
-    totals = terms if totals is None else jax.tree.map(lambda a, c: a + c, totals, terms)
-  return {"val/loss": float(totals["loss_sum"] / totals["count"]),
-          "val/accuracy": float(totals["correct"] / totals["count"])}
-
-
 def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None] | None = None,
                        engine_cache: dict | None = None) -> dict:
   """Trains `config` in `workdir` (auto-resuming) and returns a summary of the run.
@@ -179,10 +169,10 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     writer.write_config(run.source)
     if run.sync.mode != "sync" and jax.process_count() > 1:    # one replica per process
       return replica_processes.train(run, engine, writer, state, start,
-                                     after_warmup=after_warmup, evaluate=_evaluate)
+                                     after_warmup=after_warmup, evaluate=steps_lib.evaluate)
     if run.sync.mode != "sync":     # emulated replicas that do not step together
       return replica_loop.train(run, engine, balancer, ckpt, writer, dataset, state, start,
-                                extra, after_warmup=after_warmup, evaluate=_evaluate)
+                                extra, after_warmup=after_warmup, evaluate=steps_lib.evaluate)
     return _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_warmup)
 
 
@@ -224,7 +214,7 @@ def _train(run, engine, balancer, ckpt, writer, dataset, state, start, after_war
       scalars.update({"resize/min_keep": min(keep),
                       "resize/resized_devices": sum(k < 1 for k in keep)})
     if step % run.eval_every == 0 or step == run.steps:
-      val = _evaluate(engine, state.params, eval_batches, plan)
+      val = steps_lib.evaluate(engine, state.params, eval_batches, plan)
       scalars.update(val)
     decision = balancer.decision
     if decision is not None and decision.changed:

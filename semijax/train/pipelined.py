@@ -14,6 +14,11 @@ With `hetero.device_speeds` or `hetero.links`, the devices and links are emulate
 devices and links would take for what the step executed. The step's measured time is that
 plus the real compute; the plan's prediction (`planner.predict`) is checked against it.
 
+With a replica sync mode (the plan's `sync`: ssaw, async or local_sgd; `for_plan`), the
+pipelines are the replicas of `replica_loop`, with `FixedPlan` in the balancer's place: every
+pipeline gets its own gradient (`PipelineEngine.replica_grads_and_terms`) and `semijax.sync`
+combines them.
+
 Order of work as in `loop.train_and_evaluate`: the plan and every check before compiling; the
 latest checkpoint of workdir resumes the run (only onto the same number of stages: the
 logical form stacks layers per stage); warm-up compiles the train and eval programs; then the
@@ -49,6 +54,7 @@ from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
+from semijax.train import replica_loop
 from semijax.train import steps as steps_lib
 
 say = metrics_lib.say
@@ -88,7 +94,7 @@ def _configured(run: config_lib.RunConfig) -> planner_plan.Plan:
                            device_order=tuple(range(m.size)), stage_layers=tuple(layers),
                            stage_units=tuple(units), microbatches=p.microbatches,
                            microbatch_size=run.batch_size // sum(p.microbatches),
-                           schedule=p.schedule)
+                           schedule=p.schedule, sync=run.sync.mode)
 
 
 def load_plan(path: str) -> planner_plan.Plan:
@@ -119,9 +125,13 @@ def resolve_plan(run: config_lib.RunConfig, num_devices: int) -> planner_plan.Pl
       raise ConfigError(f"config.hetero.device_speeds: {n} devices, only {num_devices} exist")
     sizes = p.microbatch_sizes or tuple(m for m in range(1, run.batch_size + 1)
                                         if run.batch_size % m == 0)
-    plan = search.plan(costs, cluster(run, n), run.batch_size, sizes, p.schedules)
+    plan = search.plan(costs, cluster(run, n), run.batch_size, sizes, p.schedules, p.syncs)
   else:
     plan = load_plan(p.plan) if p.plan else _configured(run)
+    if run.sync.mode not in ("sync", plan.sync):
+      raise ConfigError(f"config.sync.mode: {run.sync.mode!r}, but the plan {p.plan!r} combines "
+                        f"its pipelines with {plan.sync!r}; leave sync.mode 'sync' to follow the "
+                        "plan, or plan again")
   if plan.num_devices > num_devices:
     raise ConfigError(f"config.plan: the plan places {plan.num_devices} devices, only "
                       f"{num_devices} exist")
@@ -136,6 +146,26 @@ def resolve_plan(run: config_lib.RunConfig, num_devices: int) -> planner_plan.Pl
     return predict_lib.with_prediction(plan, costs, cluster(run, plan.num_devices))
   except ValueError as e:
     raise ConfigError(f"config.plan: {e}") from None
+
+
+def for_plan(run: config_lib.RunConfig, plan: planner_plan.Plan) -> config_lib.RunConfig:
+  """The run as `plan` shapes it: its mesh and its sync mode (with config.sync's settings).
+
+  Raises:
+    ConfigError: a replica mode (ssaw, async, local_sgd) with unequal microbatches per pipeline
+      (each pipeline's share of the stream is batch_size / data examples).
+  """
+  mode = plan.sync
+  if plan.data == 1 and mode != "sync":
+    say(f"sync mode {mode!r}: the plan has one pipeline, which waits for no one; training 'sync'")
+    mode = "sync"
+  sync = dataclasses.replace(run.sync, mode=mode).validate(plan.data)
+  if sync.mode != "sync" and len(set(plan.microbatches)) > 1:
+    raise ConfigError(f"config.pipeline.microbatches: sync mode {sync.mode!r} gives every "
+                      f"pipeline the same share of each batch; got {plan.microbatches} (the "
+                      "replica modes let fast pipelines run ahead instead)")
+  return dataclasses.replace(run, sync=sync,
+                             mesh=mesh_lib.MeshSpec(plan.data, plan.tensor, plan.pipe))
 
 
 def pipe_layout(plan: planner_plan.Plan, spec, layer_capacity: int = 0) -> pipeline.PipeLayout:
@@ -219,10 +249,62 @@ def _restore_or_init(setup: Setup, ckpt, run: config_lib.RunConfig):
         f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved {where}, "
         f"this run has {setup.plan.pipe} stages; pipelined checkpoints restore onto the same "
         "number of stages (use another --workdir)")
+  saved_sync = meta.get("sync_mode", "sync")
+  if saved_sync != run.sync.mode:
+    raise ConfigError(
+        f"config.sync.mode: the checkpoint at step {step} in {ckpt.directory} was saved by a "
+        f"{saved_sync!r} run, this one is {run.sync.mode!r} (its in-flight state would be lost); "
+        "use another --workdir")
   logical, meta = ckpt.restore(engine.abstract_logical(), step)
   say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with layers per stage "
       f"{meta['plan']['stage_layers']}), continuing to step {run.steps}")
   return engine.to_padded(logical, layout, donate=True), int(meta["data_position"])
+
+
+def checkpoint_meta(plan: planner_plan.Plan) -> dict:
+  """What a pipelined checkpoint's metadata says of its plan (`_restore_or_init` reads it)."""
+  return {"pipe": plan.pipe, "plan": plan.to_dict()}
+
+
+class FixedPlan:
+  """A pipelined run's plan in the balancer's place for `replica_loop` (ssaw, async and
+  local_sgd with data-parallel pipelines): the layout never changes, and each pipeline's
+  emulated seconds for its share of a batch are its pipeline time (`emulated_step`) plus the
+  gradient all-reduces after it (`delay_s`, [R]; the data all-reduce is the round's).
+
+  Args:
+    setup: the run's plan, engine, layout and emulation (`build`).
+  """
+
+  def __init__(self, setup: Setup):
+    self.setup, self.layout, self.emulator = setup, setup.layout, setup.emulator
+    self.pplan = setup.engine.plan(setup.layout, setup.plan.microbatches)
+    self.emulated = emulated_step(setup) if setup.emulator is not None else None
+    self.delay_s = (1.0 if self.emulated is None else
+                    np.asarray(self.emulated["pipeline_s"]) + self.emulated["allreduce_s"])
+    self.compiles_at_warmup = 0
+
+  def warm_up(self, state, batch, eval_batch, step: int):
+    """Compiles the engine's train step (a round that is a synchronous step runs it) and eval
+    program."""
+    del step
+    self.setup.engine.compile(state, batch, self.pplan, eval_batch)
+    return state
+
+  def before_step(self, step: int, state):
+    del step
+    return state, self.pplan
+
+  def after_step(self, step: int, seconds: float) -> None:
+    del step, seconds
+
+  def state_dict(self) -> dict:
+    return {}
+
+  def summary(self, total_s: float) -> dict:
+    del total_s
+    return {"policy": "plan", "pipeline_s": None if self.emulated is None
+            else self.emulated["pipeline_s"]}
 
 
 class Trainer:
@@ -264,18 +346,14 @@ class Trainer:
 
   def evaluate(self) -> dict:
     """Validation loss and accuracy over every evaluation batch."""
-    totals = None
-    for b in self.eval_batches:
-      terms = jax.device_get(self.setup.engine.eval_terms(self.state.params, b, self.pplan))
-      totals = terms if totals is None else jax.tree.map(lambda a, c: a + c, totals, terms)
-    return {"val/loss": float(totals["loss_sum"] / totals["count"]),
-            "val/accuracy": float(totals["correct"] / totals["count"])}
+    return steps_lib.evaluate(self.setup.engine, self.state.params, self.eval_batches,
+                              self.pplan)
 
   def save(self, ckpt, step: int) -> None:
     """Checkpoints the state through the sharded logical form (donated, then back)."""
     engine, layout, plan = self.setup.engine, self.setup.layout, self.setup.plan
-    meta = {"data_position": step, "model": self.run.model.to_dict(), "pipe": plan.pipe,
-            "plan": plan.to_dict(), "layout": layout.to_json()}
+    meta = {"data_position": step, "model": self.run.model.to_dict(), "layout": layout.to_json(),
+            **checkpoint_meta(plan)}
     logical = engine.to_logical(self.state, layout, donate=True)
     ckpt.save(step, logical, meta)
     self.state = engine.to_padded(logical, layout, donate=True)
@@ -288,6 +366,7 @@ def train(run: config_lib.RunConfig, workdir: str, *,
   plan = resolve_plan(run, jax.device_count())
   source = {"auto": "the planner", "": "config"}.get(run.pipeline.plan, run.pipeline.plan)
   say(f"plan ({source}):\n{planner_plan.describe(plan)}")
+  run = for_plan(run, plan)
   dataset = data_lib.build(run.data, 0, 1)
   setup = build(run, plan)
   with contextlib.ExitStack() as stack:
@@ -300,6 +379,11 @@ def train(run: config_lib.RunConfig, workdir: str, *,
     if jax.process_index() == 0:
       with open(os.path.join(workdir, "plan.json"), "w") as f:
         json.dump(plan.to_dict(), f, indent=1)
+    if run.sync.mode != "sync":
+      extra = ckpt.restore_extra(start) if start else None
+      return replica_loop.train(run, setup.engine, FixedPlan(setup), ckpt, writer, dataset,
+                                state, start, extra, after_warmup=after_warmup,
+                                evaluate=steps_lib.evaluate, meta=checkpoint_meta(plan))
     trainer = Trainer(run, setup, dataset, state)
     seconds = trainer.warm_up(start)
     say(f"warm-up: {setup.engine.compile_count} step programs compiled, {seconds:.1f} s")

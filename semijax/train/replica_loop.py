@@ -4,7 +4,9 @@
 metric writer and restores the latest checkpoint as for a synchronous run, then hands them here
 when the replicas do not step together and all live in this one process: the replicas are the
 `data` axis of the mesh and their speeds are emulated (`hetero.replica_slowdown`). With several
-processes, one replica each, `replica_processes` trains instead.
+processes, one replica each, `replica_processes` trains instead. `pipelined.train` hands its
+data-parallel pipelines here too (a `PipelineEngine`, `pipelined.FixedPlan` as the balancer, the
+pipelines' emulated times as the replicas' speeds).
 
 Differences from the synchronous loop, all following from replicas that do not step together:
   * an *update* is one round (ssaw, async) or one local step of every replica (local_sgd); the
@@ -35,7 +37,6 @@ import numpy as np
 from semijax.core import compiles
 from semijax.core import emulation
 from semijax.core import engine as engine_lib
-from semijax.sync import inflight
 from semijax.sync import programs as programs_lib
 from semijax.sync import rounds as rounds_lib
 from semijax.train import config as config_lib
@@ -93,14 +94,16 @@ def learning_rate_fn(run: config_lib.RunConfig) -> Callable[[float], float]:
   return lambda progress: float(schedule(np.float32(progress)))
 
 
-def train(run: config_lib.RunConfig, engine: engine_lib.Engine, balancer, ckpt, writer, dataset,
-          state, start: int, extra: dict | None, *, after_warmup: Callable[[], None] | None,
-          evaluate: Callable) -> dict:
+def train(run: config_lib.RunConfig, engine, balancer, ckpt, writer, dataset, state, start: int,
+          extra: dict | None, *, after_warmup: Callable[[], None] | None, evaluate: Callable,
+          meta: dict | None = None) -> dict:
   """Trains a replica mode in one process to the end of its sample budget (see module doc);
-  returns the summary. Called by `loop.train_and_evaluate`, which owns and closes the
-  resources."""
+  returns the summary. Called by `loop.train_and_evaluate` (engine: `core.engine.Engine`, its
+  `Balancer`) and `pipelined.train` (a `PipelineEngine` and its fixed plan,
+  `pipelined.FixedPlan`), which own and close the resources; `meta` joins every checkpoint's
+  metadata."""
   driver = (_LocalSGD if run.sync.mode == "local_sgd" else _Rounds)(run, engine, balancer)
-  return _Loop(run, engine, balancer, ckpt, writer, dataset, driver, evaluate).train(
+  return _Loop(run, engine, balancer, ckpt, writer, dataset, driver, evaluate, meta).train(
       state, start, extra, after_warmup)
 
 
@@ -257,23 +260,17 @@ class _LocalSGD:
     return {"microbatches": self.microbatches}
 
   def state_dict(self, layout) -> dict:
-    e = self.engine
-    reps = inflight.state_to_logical(self.replicas, e.tx, e.axes, layout, e.unit_sizes)
-    mom = inflight.to_logical(self.momentum, e.axes, layout, e.unit_sizes, leading=0)
-    return {"step": np.int64(self.step), "replicas": inflight.flat(reps),
-            "momentum": inflight.flat(mom)}
+    forms = self.programs.forms
+    return {"step": np.int64(self.step), "replicas": forms.to_host(self.replicas, layout),
+            "momentum": forms.to_host(self.momentum, layout, leading=0)}
 
   def load_state_dict(self, state: dict, layout) -> None:
-    e = self.engine
     self.step = int(state["step"])
-    template = inflight.state_to_logical(self.replicas, e.tx, e.axes, layout, e.unit_sizes)
-    reps = inflight.unflat(template, state["replicas"])
-    params, opt = inflight.state_to_padded(reps, e.tx, e.axes, layout, e.unit_sizes)
-    self.replicas = inflight.put(engine_lib.TrainState(params, opt),
-                                 self.programs.stacked_state_shardings())
-    mom = inflight.unflat(e.axes, state["momentum"])
-    self.momentum = inflight.put(inflight.to_padded(mom, e.axes, layout, e.unit_sizes,
-                                                    leading=0), e.param_shardings)
+    progs = self.programs
+    self.replicas = progs.forms.to_device(state["replicas"], self.replicas, layout,
+                                          progs.stacked_state_shardings())
+    self.momentum = progs.forms.to_device(state["momentum"], self.momentum, layout,
+                                          self.engine.param_shardings, leading=0)
     r = self.run.mesh.data
     self.microbatches = [[k * r + i for k in range(self.step)] for i in range(r)]
 
@@ -284,9 +281,10 @@ class _LocalSGD:
 class _Loop:
   """Warm-up, updates, evaluation, checkpoints and metrics of a one-process replica run."""
 
-  def __init__(self, run, engine, balancer, ckpt, writer, dataset, driver, evaluate):
+  def __init__(self, run, engine, balancer, ckpt, writer, dataset, driver, evaluate, meta=None):
     self.run, self.engine, self.balancer = run, engine, balancer
     self.ckpt, self.writer, self.driver, self.evaluate = ckpt, writer, driver, evaluate
+    self.meta = dict(meta or {})
     self.batches = Batches(dataset, run.mesh.data)
     self.eval_batches = [engine.shard_batch(b) for b in dataset.eval_batches()]
     factors = run.sync.replica_slowdown or (1.0,) * run.mesh.data
@@ -294,7 +292,8 @@ class _Loop:
 
   def durations(self) -> np.ndarray:
     """Emulated seconds of each replica's microbatch now: its tensor group's emulated time
-    (`Balancer.delay_s`) times its factor; 1 each (and no sleeping) without emulation."""
+    (`Balancer.delay_s`; a pipelined run's `FixedPlan.delay_s` gives one per pipeline) times its
+    factor; 1 each (and no sleeping) without emulation."""
     base = self.balancer.delay_s if self.balancer.emulator is not None else 1.0
     return base * self.factors
 
@@ -374,8 +373,8 @@ class _Loop:
     layout = self.balancer.layout
     extra = dict(self.balancer.state_dict() or {})
     extra["sync"] = self.driver.state_dict(layout)
-    meta = {"data_position": k, "layout": layout.to_json(), "model": self.run.model.to_dict(),
-            "sync_mode": self.run.sync.mode}
+    meta = {**self.meta, "data_position": k, "layout": layout.to_json(),
+            "model": self.run.model.to_dict(), "sync_mode": self.run.sync.mode}
     self.ckpt.save(k, self.engine.to_logical(state, layout), meta, extra)
 
   def _summary(self, start, k, times, losses, curve, val, applied) -> dict:

@@ -22,6 +22,17 @@ def start_together(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def evaluate(engine, params, batches, plan) -> dict:
+  """Validation loss and accuracy of `engine.eval_terms` (either engine): summed over every
+  evaluation batch on the host (adding device scalars would compile on the way), divided once."""
+  totals = None
+  for b in batches:
+    terms = jax.device_get(engine.eval_terms(params, b, plan))
+    totals = terms if totals is None else jax.tree.map(lambda a, c: a + c, totals, terms)
+  return {"val/loss": float(totals["loss_sum"] / totals["count"]),
+          "val/accuracy": float(totals["correct"] / totals["count"])}
+
+
 def learning_rates(run) -> np.ndarray:
   """float [steps]: the schedule's rate at every step, from one program before warm-up (calling
   the schedule per step would compile on the way)."""

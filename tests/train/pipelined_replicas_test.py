@@ -1,0 +1,120 @@
+"""ssaw, async and local_sgd with data-parallel pipelines (`config.sync` on a pipelined run).
+
+Each pipeline is a replica: `PipelineEngine.replica_grads_and_terms` gives its own gradient and
+`semijax.sync`'s programs and round rule combine them, as for tensor-parallel replicas. Equal
+pipelines take exactly the synchronous pipelined steps (bit-identical losses); with one pipeline
+on half-speed devices every microbatch of the budget is applied once, the fast pipeline computes
+more of them and no gradient is staler than the bound; a run resumed from a checkpoint (holding
+the pending gradients or local SGD's replicas, converted through the pipeline's logical form)
+continues exactly; the planner can choose the mode, and the run follows its plan.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import helpers as H
+from semijax.errors import ConfigError
+from semijax.sync import rounds as rounds_lib
+from semijax.train import config as config_lib
+from semijax.train import loop as train
+from semijax.train import metrics
+from semijax.train import replica_loop
+
+SLOW_HALF = (1, 1, 1, 1, .5, .5, .5, .5)     # pipeline 1 (devices 4-7) at half speed
+
+
+def config(mode="sync", steps=4, **fields):
+  c = H.tiny_gpt(tensor=2, steps=steps)
+  c.model.num_layers = 4
+  c.mesh.data, c.mesh.pipe = 2, 2
+  c.pipeline.microbatches = 2
+  c.checkpoint_every = 0
+  c.sync.mode = mode
+  for key, value in fields.items():
+    *path, field = key.split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    node[field] = value
+  return c
+
+
+def slow(c):
+  c.hetero.device_speeds = SLOW_HALF
+  c.hetero.device_gflops = 200.0
+  return c
+
+
+def test_equal_pipelines_train_exactly_like_sync(tmp_path):
+  reference = train.train_and_evaluate(config(), str(tmp_path / "sync"))
+  for mode in ("ssaw", "async"):
+    out = train.train_and_evaluate(config(mode), str(tmp_path / mode))
+    assert out["losses"] == reference["losses"], mode
+    assert out["val/loss"] == reference["val/loss"], mode
+    assert out["sync"]["samples"] == 4 * 8 and out["steps"] == 4
+
+
+def test_a_slow_pipeline_uses_every_sample_once_and_the_fast_takes_more(tmp_path):
+  out = train.train_and_evaluate(slow(config("ssaw", steps=6, **{"sync.staleness_bound": 2})),
+                                 str(tmp_path))
+  owned = out["sync"]["microbatches"]
+  assert sorted(j for m in owned for j in m) == list(range(6 * 2))
+  assert len(owned[0]) > len(owned[1])
+  assert out["sync"]["samples"] == 6 * 8 and out["steps"] > 6
+  records = metrics.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert 1 <= max(r["sync/max_staleness"] for r in records) <= 2
+  assert np.isfinite(out["val/loss"])
+
+
+class Interrupt(Exception):
+  pass
+
+
+@pytest.mark.parametrize("mode, extra, cls, name", [
+    ("ssaw", {}, rounds_lib.RoundRunner, "round"),
+    ("local_sgd", {"sync.local_steps": 2}, replica_loop._LocalSGD, "update")])
+def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name):
+  c = lambda: slow(config(mode, steps=5, checkpoint_every=3, **extra))
+  reference = train.train_and_evaluate(c(), str(tmp_path / "ref"))
+  workdir = str(tmp_path / "run")
+  original, calls = getattr(cls, name), {"n": 0}
+
+  def stop_in_fifth(self, *a, **kw):
+    calls["n"] += 1
+    if calls["n"] > 4:
+      raise Interrupt()
+    return original(self, *a, **kw)
+  with monkeypatch.context() as m:
+    m.setattr(cls, name, stop_in_fifth)
+    with pytest.raises(Interrupt):
+      train.train_and_evaluate(c(), workdir)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
+  resumed = train.train_and_evaluate(c(), workdir)
+  assert resumed["start_step"] == 3
+  assert resumed["losses"] == reference["losses"][3:]
+  assert resumed["val/loss"] == reference["val/loss"]
+  assert resumed["sync"]["microbatches"] == reference["sync"]["microbatches"]
+  with pytest.raises(ConfigError, match=rf"config.sync.mode: the checkpoint .* by a '{mode}' run"):
+    train.train_and_evaluate(slow(config("sync", steps=6)), workdir)
+
+
+def test_the_planner_chooses_the_mode_and_the_run_follows_it(tmp_path):
+  c = slow(config(steps=2, plan="auto", **{"planner.syncs": "ssaw"}))
+  out = train.train_and_evaluate(c, str(tmp_path))
+  plan = json.load(open(os.path.join(tmp_path, "plan.json")))
+  assert plan["sync"] == "ssaw" and len(set(plan["microbatches"])) == 1
+  assert out["sync"]["mode"] == "ssaw" and out["sync"]["samples"] == 2 * 8
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"pipeline.microbatches": "3,1"}, "config.pipeline.microbatches"),
+    ({"planner.syncs": "sync,gossip"}, "config.planner.syncs"),
+    ({"sync.staleness_bound": -1}, "config.sync.staleness_bound"),
+])
+def test_bad_replica_mode_config_is_named(tmp_path, fields, field):
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    train.train_and_evaluate(config("ssaw", **fields), str(tmp_path))
+  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
