@@ -305,8 +305,10 @@ class _Loop:
     state, plan = balancer.before_step(start, state)
     state = driver.warm_up(state, plan, self.batches)
     balancer.compiles_at_warmup = compiles.count()    # the replica programs are warm-up too
-    say(f"warm-up: sync mode {run.sync.mode}, {run.mesh.data} replicas "
-        f"(slowdown {tuple(self.factors.tolist())}), {time.perf_counter() - t0:.1f} s")
+    d = np.broadcast_to(self.durations(), self.factors.shape)
+    slowdown = tuple(round(float(x), 3) for x in d / d.min())
+    say(f"warm-up: sync mode {run.sync.mode}, {run.mesh.data} replicas (time per microbatch "
+        f"relative to the fastest {slowdown}), {time.perf_counter() - t0:.1f} s")
     saved = (extra or {}).get("sync")
     if saved is None:     # the loop may nest the host state under "balance"
       saved = ((extra or {}).get("balance") or {}).get("sync")
