@@ -18,9 +18,12 @@ Profiles fitted here (`hardware.Hardware`):
   cpu_2proc  the real-contention setting. Device speeds in the replay are the measured ones
              (the competitor's on-intervals at the scheduler share the controller measured
              under contention); fitted: the FLOP rate, the per-step overhead, the branched and
-             offload steps' extra compute (a linear least-squares fit of the runs' mean step
-             times, alternated with replays, since the decisions depend on the times); measured:
-             a speed sample's seconds and noise, a migration's seconds.
+             offload steps' extra compute, the idle speedup (the 2 processes share one physical
+             core: with the competitor off, the fast one of an uneven split computes faster
+             while the slow one waits) and the contention wait (a contended process wakes up
+             late from the step's collectives) (a linear non-negative least-squares fit of the
+             runs' mean step times, alternated with replays, since the decisions depend on the
+             times); measured: a speed sample's seconds and noise, a migration's seconds.
   cpu_8fake  the emulated setting: the emulated delay is the library's `Emulator` itself; fitted
              the same way: what the 8 fake devices' real compute on 2 cores adds; migration
              costs from bench_migrate (fixed + state bytes at memory bandwidth + the
@@ -48,6 +51,7 @@ import json
 import os
 
 import numpy as np
+import scipy.optimize
 
 from semijax.balance import decisions as decisions_lib
 from semijax.balance import resize as resize_spec_lib
@@ -231,7 +235,7 @@ def run_of(measured: dict, record: dict, hw: hardware_lib.Hardware, seed: int = 
       workload_of(s), cluster_lib.Cluster(s["mesh"]["data"], 1, s["mesh"]["tensor"]), hw,
       settings_lib.BalanceSettings(**balance), record["steps"], resize=_resize_spec(s["resize"]),
       static_counts=counts, hetero=hetero, seed=seed,
-      script=(script_of(record),) if scripted else None)
+      script=(script_of(record),) if scripted else None, idle_feature=True)
 
 
 def trace_of(measured: dict, record: dict, contention_speed: float | None = None
@@ -258,25 +262,31 @@ def replay(measured: dict, record: dict, hw: hardware_lib.Hardware, seed: int = 
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-  """Least squares min |a x - b| with x >= 0 (an active set: drop the most negative, re-solve)."""
-  free = np.ones(a.shape[1], bool)
-  while True:
-    x = np.zeros(a.shape[1])
-    if free.any():
-      x[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
-    if (x >= 0).all():
-      return x
-    free[np.argmin(np.where(free, x, np.inf))] = False
+  """Least squares min |a x - b| with x >= 0, exactly (Lawson-Hanson, `scipy.optimize.nnls`,
+  on columns scaled to unit norm: the features differ by 10 orders of magnitude). (Dropping
+  the most negative coefficient of the unconstrained solution and solving again can drop a
+  column the optimum keeps.)"""
+  norm = np.linalg.norm(a, axis=0)
+  norm = np.where(norm > 0, norm, 1.0)
+  return scipy.optimize.nnls(a / norm, b)[0] / norm
 
 
-def _with_coefficients(hw: hardware_lib.Hardware, x: np.ndarray) -> hardware_lib.Hardware:
-  """`hw` with `simulator.coefficients` = x (see `fit_steps`)."""
+# The column of `simulator.coefficients` of the idle speedup (the contention wait's is next).
+IDLE = 2 + len(stepcost.OVERHEADS)
+
+
+def _with_coefficients(hw: hardware_lib.Hardware, x: np.ndarray,
+                       idle: bool = True) -> hardware_lib.Hardware:
+  """`hw` with `simulator.coefficients` = x (see `fit_steps`); with `idle` the idle speedup
+  1 / (1 - g), g = x[IDLE] / x[1], within [1, `hardware.MAX_IDLE_SPEEDUP`] (else `hw`'s)."""
   if x[1] <= 0:
     raise ValueError("calibration: the fit found no compute term; the measurements cannot "
                      "determine the FLOP rate")
-  overheads = {name: float(v / x[1]) for name, v in zip(stepcost.OVERHEADS.values(), x[2:])}
+  overheads = {name: float(v / x[1]) for name, v in zip(stepcost.OVERHEADS.values(), x[2:IDLE])}
+  g = min(float(x[IDLE] / x[1]), 1 - 1 / hardware_lib.MAX_IDLE_SPEEDUP)
   return dataclasses.replace(hw, step_overhead_s=float(x[0]), device_flops=float(1 / x[1]),
-                             **overheads)
+                             idle_speedup=1 / (1 - g) if idle else hw.idle_speedup,
+                             contention_wait_s=float(x[IDLE + 1]), **overheads)
 
 
 # A measured run whose steps before its first change (the even split's program, exactly what the
@@ -313,19 +323,22 @@ def consistent(measured: dict) -> dict:
   return dict(measured, records=[r for r in measured["records"] if _key(r) not in off])
 
 
-def fit_steps(measured: dict, hw: hardware_lib.Hardware, iterations: int = 8, seed: int = 0,
-              contention_speed: float | None = None) -> hardware_lib.Hardware:
+def fit_steps(measured: dict, hw: hardware_lib.Hardware, iterations: int = 20, seed: int = 0,
+              contention_speed: float | None = None, idle: bool = True) -> hardware_lib.Hardware:
   """`hw` with its step constants fitted to the measured runs' mean step times.
 
   The replays are scripted (each run's own decisions, module doc); pass `consistent(measured)`
   to leave out runs noisier than a replay's tolerance. Each replayed step is
-  `features @ simulator.coefficients(hw)` (overhead, 1 / flops and each
-  step variant's overhead / flops) plus parts that do not depend on them (migrations, samples,
+  `features @ simulator.coefficients(hw)` (overhead, 1 / flops, each step variant's
+  overhead / flops, with `idle` what full-speed devices that share cores gain while others
+  wait, (1 - 1 / idle_speedup) / flops (without, `hw.idle_speedup` stays), and the contention
+  wait's seconds) plus parts that do not depend on them (migrations, samples,
   collectives, the optimizer, an emulated sleep). A non-negative least-squares fit of the runs'
   means (relative errors: every run weighs the same) gives new constants; the runs are replayed
   with them (the decisions, and a contention interval's steps, depend on the times) and fitted
-  again, `iterations` times (a contention interval's steps depend on the times); the constants
-  whose replays matched best are returned.
+  again, up to `iterations` times or until the constants stop changing (from a cold start the
+  contention wait, the overhead and the FLOP rate trade places for several rounds); the
+  constants whose replays matched best are returned.
   """
   best = None
   for _ in range(iterations):
@@ -336,10 +349,16 @@ def fit_steps(measured: dict, hw: hardware_lib.Hardware, iterations: int = 8, se
       rows.append(r.features.mean(axis=0) / mean_s)
       targets.append((mean_s - r.fixed_s.mean()) / mean_s)
     rows, targets = np.asarray(rows), np.asarray(targets)
+    if not idle:
+      rows[:, IDLE] = 0.0                        # no column: the least-squares solution keeps 0
     error = float(np.mean(np.square(rows @ simulator.coefficients(hw) - targets)))
     if best is None or error < best[0]:
       best = (error, hw)
-    hw = _with_coefficients(hw, _solve(rows, targets))
+    new = _with_coefficients(hw, _solve(rows, targets), idle)
+    done = np.allclose(simulator.coefficients(new), simulator.coefficients(hw), rtol=1e-9, atol=0)
+    hw = new
+    if done:                                     # a fixed point: the replays would not change
+      break
   return best[1] if best[0] <= _replay_error(measured, hw, seed, contention_speed) else hw
 
 
@@ -422,7 +441,7 @@ def _loss(rows: list[dict]) -> float:
   return float(np.mean(np.square(err)))
 
 
-def fit(measurements: dict, iterations: int = 8, grid_step: float = 0.005,
+def fit(measurements: dict, iterations: int = 20, grid_step: float = 0.005,
         seeds=(0, 1, 2), contention_speeds=None) -> tuple[dict, dict]:
   """({profile name: Hardware}, {profile name: replay parameters}) fitted to `measurements`.
 
@@ -438,7 +457,7 @@ def fit(measurements: dict, iterations: int = 8, grid_step: float = 0.005,
       EMULATED, device_flops=1e10, cores=2, emulated=True, step_noise=step_noise(emu["records"]),
       sample_s=float(np.mean(emu["sample_s"])),
       source="fitted by semijax.sim.calibrate to straggler_emulated and migrate", **moves)
-  emulated = fit_steps(consistent(emu), emulated, iterations)
+  emulated = fit_steps(consistent(emu), emulated, iterations, idle=False)
   real = measurements["real"]
   cpu = hardware_lib.Hardware(
       REAL, device_flops=1e10, move_fixed_s=float(np.median(real["warmup_move_s"])),

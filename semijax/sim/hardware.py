@@ -28,6 +28,8 @@ from semijax.errors import ConfigError
 # stages of a pipeline, between data-parallel replicas of one region, between regions.
 LEVELS = ("tensor", "pipe", "data", "region")
 VERSION = 1
+# The most a device can gain from idle partners: one hyperthread alone gets the whole core (2x).
+MAX_IDLE_SPEEDUP = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +59,19 @@ class Hardware:
     offload_overhead: extra block compute of the offload step, relative.
     step_overhead_s: seconds per step that no split and no device speed changes (dispatch, host
       work, and, for the fitted profiles, the collectives of the measured configuration).
+    contention_wait_s: seconds a step adds per unit of a competitor's share of a device's core
+      (1 - its speed; the slowest device of a replica): a process that shares its core with a
+      CPU-bound competitor wakes up late from each of the step's collectives, when the competitor
+      holds the core. 0 = devices have no competitor (accelerators).
     memory_bytes_per_s: device memory bandwidth: the optimizer update reads and writes the
       parameters, gradients and moments (infinite: the update is inside the fitted terms).
     cores: devices that share one host's cores (fake devices): a block then takes at least its
       summed work over `cores`; 0 = every device computes on its own.
+    idle_speedup: how many times faster a device at full speed computes while other full-speed
+      devices of its tensor group wait for it (>= 1): their cores' share of a physical core they
+      share goes to it (this machine's 2 vCPUs are the two hyperthreads of one core). A device
+      slowed by a competitor (speed < 1) leaves its core to the competitor when it waits.
+      1 = devices do not share compute (accelerators); at most `MAX_IDLE_SPEEDUP`.
     emulated: slowdowns are the emulated host sleep (`core.emulation`), not slower devices.
     links: {level: Link} for `LEVELS`.
     move_fixed_s: fixed seconds of one migration.
@@ -79,8 +90,10 @@ class Hardware:
   resize_overhead: float = 0.0
   offload_overhead: float = 0.0
   step_overhead_s: float = 0.0
+  contention_wait_s: float = 0.0
   memory_bytes_per_s: float = math.inf
   cores: int = 0
+  idle_speedup: float = 1.0
   emulated: bool = False
   links: dict = dataclasses.field(default_factory=dict)
   move_fixed_s: float = 0.0
@@ -125,6 +138,8 @@ class Hardware:
       if v is None or v < 0 or (positive and v == 0) or (key == "cores" and v != int(v)):
         raise ConfigError(f"{f}.{key}: must be a {'positive' if positive else 'non-negative'} "
                           f"{'integer' if key == 'cores' else 'number'}, got {d[key]!r}")
+      if key == "idle_speedup" and not 1 <= v <= MAX_IDLE_SPEEDUP:
+        raise ConfigError(f"{f}.idle_speedup: must be in [1, {MAX_IDLE_SPEEDUP}], got {d[key]!r}")
       values[key] = int(v) if key == "cores" else v
     links = {}
     for level, ld in (d.get("links") or {}).items():

@@ -62,6 +62,8 @@ class Run:
     epoch_steps: steps per epoch (a static resize schedule's period).
     script: per stage, {0-based step: `cost.Setup`} recorded decisions to replay instead of
       deciding (`stage.StageBalancer`), or None.
+    idle_feature: compute the step features' column of `Hardware.idle_speedup` also where it
+      is 1 (`stepcost.StepModel`; the calibration's replays, which fit it).
   """
 
   workload: workload_lib.Workload
@@ -78,6 +80,7 @@ class Run:
   seed: int = 0
   epoch_steps: int = 1
   script: tuple | None = None
+  idle_feature: bool = False
 
   @property
   def policy(self) -> str:
@@ -98,7 +101,7 @@ class Result:
   ideal_s: float                   # total seconds of the same steps at the cluster's mean speed
   position_speeds: np.ndarray      # float [S, T]: mean slowest-replica speed of each position
   stages: list                     # per stage: {"stats", "counts", "changes"}
-  features: np.ndarray             # float [steps, 5]: `StepTime.features`
+  features: np.ndarray             # float [steps, 7]: `StepTime.features`
   fixed_s: np.ndarray              # float [steps]: the part of each step outside the fit
   wall_s: float = 0.0              # host seconds the simulation took
   staleness: float = 0.0           # mean predicted staleness (`semijax.sync` strategies)
@@ -180,7 +183,7 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
   if trace.num_devices != c.devices:
     raise ValueError(f"sim.trace: {trace.num_devices} devices for a cluster of {c.devices}")
   strategy = strategies.make(run.strategy)
-  model = stepcost.StepModel(w, c, hw, strategy, run.layers)
+  model = stepcost.StepModel(w, c, hw, strategy, run.layers, run.idle_feature)
   stages = stages_of(run, model)
   for st in stages:
     st.warm_up()
@@ -197,7 +200,7 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
   nominal = nominal_step_s(model)
   steps = run.steps
   step_s = np.zeros(steps)
-  features = np.zeros((steps, len(stepcost.OVERHEADS) + 2))
+  features = np.zeros((steps, len(stepcost.OVERHEADS) + 4))
   fixed = np.zeros(steps)
   speed_sum = np.zeros((c.pipe, c.tensor))
   ideal = 0.0
@@ -242,9 +245,11 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
 
 def coefficients(hw: hardware_lib.Hardware) -> np.ndarray:
   """The coefficients of `Result.features` in a step's seconds: the step overhead, 1 / FLOP rate,
-  each step variant's overhead / FLOP rate."""
+  each step variant's overhead / FLOP rate, (1 - 1 / idle speedup) / FLOP rate, and the
+  contention wait's seconds."""
   return np.array([hw.step_overhead_s, 1 / hw.device_flops,
-                   *(getattr(hw, name) / hw.device_flops for name in stepcost.OVERHEADS.values())])
+                   *(getattr(hw, name) / hw.device_flops for name in stepcost.OVERHEADS.values()),
+                   (1 - 1 / hw.idle_speedup) / hw.device_flops, hw.contention_wait_s])
 
 
 def nominal_step_s(model: stepcost.StepModel) -> float:

@@ -13,13 +13,19 @@ where c_k is a unit's forward + backward seconds at speed 1 (`Workload.unit_flop
 `Hardware.device_flops`) and f_s is the step variant's factor: 1 for the single-width step,
 1 + `branch_overhead` for the branched one, 1 + `resize_overhead` for the resized one,
 1 + `offload_overhead` for the offload one. On a host whose
-fake devices share `cores` cores a block takes at least its summed work over `cores`. A
-replica's step runs the microbatches through the stages (one forward-backward pipeline,
-GPipe / 1F1B: sum_s tau + (M - 1) max_s tau), then every device updates its state (the
-optimizer reads and writes the parameters and both moments: `memory_bytes_per_s`), plus
-`step_overhead_s`. The replicas are combined by a data-parallel strategy
-(`semijax.sim.strategies`): for synchronous data parallelism, the slowest replica plus a ring
-all-reduce of the gradients.
+fake devices share `cores` cores a block takes at least its summed work over `cores`. Devices
+that share physical cores (`Hardware.idle_speedup` a > 1: processes on the hyperthreads of one
+core) run the blocks' full-speed devices faster while others of them wait: with n devices of
+the tensor group at full speed and k of them still computing, each computes at min(a, n / k)
+times its speed (`shared_finish`; a device slowed by a competitor keeps its speed, and its core
+goes to the competitor when it waits), so an uneven split of uncontended devices costs less
+than its slowest device's share says. A replica's step runs the microbatches through the
+stages (one forward-backward pipeline, GPipe / 1F1B: sum_s tau + (M - 1) max_s tau), then
+every device updates its state (the optimizer reads and writes the parameters and both moments:
+`memory_bytes_per_s`), plus `step_overhead_s`, plus `contention_wait_s` x (1 - the replica's
+slowest speed) (a process sharing its core with a competitor wakes up late from the step's
+collectives). The replicas are combined by a data-parallel strategy (`semijax.sim.strategies`):
+for synchronous data parallelism, the slowest replica plus a ring all-reduce of the gradients.
 
 Everything is numpy over [R, S, T, L] at once: one step of 4,096 devices costs well under a
 millisecond of host time.
@@ -39,6 +45,24 @@ from semijax.sim import workload as workload_lib
 # the single-width step, as `Hardware` names it.
 OVERHEADS = {"branched": "branch_overhead", "resized": "resize_overhead",
              "offload": "offload_overhead"}
+# Speeds at or above this are a device at full speed (no competitor on its core).
+FULL_SPEED = 1.0 - 1e-9
+
+
+def shared_finish(per: np.ndarray, free: np.ndarray, speedup: float) -> np.ndarray:
+  """float [..., L]: when each block's last device finishes, `per` float [..., T, L] the seconds
+  of each device at its own speed and `free` bool [..., T, 1] the devices at full speed: those
+  share their cores' capacity, each computing at min(`speedup`, n / k) times its speed while k
+  of the n still compute (water-filling: the k smallest works end first); the others take
+  `per`. With `speedup` 1 it is the slowest device's seconds."""
+  t = per.shape[-2]
+  n = free.sum(axis=-2, keepdims=True)                                  # [..., 1, 1]
+  work = np.sort(np.where(free, per, 0.0), axis=-2)                     # [..., T, L]
+  step = np.diff(work, axis=-2, prepend=0.0)                            # work between two ends
+  computing = (t - np.arange(t))[:, None]                               # [T, 1]
+  rate = np.minimum(speedup, n / computing)
+  shared = np.where(np.arange(t)[:, None] >= t - n, step / np.maximum(rate, 1e-30), 0.0)
+  return np.maximum(shared.sum(axis=-2), np.where(free, 0.0, per).max(axis=-2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +73,9 @@ class StepTime:
     seconds: the step (compute, collectives, pipeline, update, data-parallel sync).
     replicas: float [R], each replica's time before the data-parallel sync.
     sync_s: the data-parallel part after the slowest replica.
-    features: float [5] what a linear fit of the constants needs: the coefficients of
-      (step_overhead_s, 1 / device_flops, and the three variants' overheads / device_flops).
+    features: float [7] what a linear fit of the constants needs: the coefficients of
+      (step_overhead_s, 1 / device_flops, the three variants' overheads / device_flops,
+      (1 - 1 / idle_speedup) / device_flops, and contention_wait_s).
   """
 
   seconds: float
@@ -66,11 +91,15 @@ class StepModel:
     workload: the model and batch; cluster: the device grid; hardware: device and link costs.
     layers: layers per pipeline stage (default: as even as possible, the first stages one more).
     strategy: the data-parallel strategy (`strategies.Strategy`).
+    idle_feature: compute the features' idle column also where `Hardware.idle_speedup` is 1
+      (a fit of it; it costs a second block computation per step).
   """
 
   def __init__(self, workload: workload_lib.Workload, cluster: cluster_lib.Cluster,
-               hardware: hardware_lib.Hardware, strategy, layers: tuple | None = None):
+               hardware: hardware_lib.Hardware, strategy, layers: tuple | None = None,
+               idle_feature: bool = False):
     self.workload, self.cluster, self.hw, self.strategy = workload, cluster, hardware, strategy
+    self.idle_feature = idle_feature
     s, n_layers = cluster.pipe, workload.spec.num_layers
     if layers is None:
       base, rem = divmod(n_layers, s)
@@ -123,19 +152,24 @@ class StepModel:
     return np.array([1 + getattr(self.hw, OVERHEADS[k]) if k in OVERHEADS else 1.0
                      for k in kinds])
 
-  def block_seconds(self, widths: dict, speeds: np.ndarray) -> np.ndarray:
+  def block_seconds(self, widths: dict, speeds: np.ndarray,
+                    speedup: float | None = None) -> np.ndarray:
     """float [R, S]: block compute per microbatch at factor 1 (the sum over blocks of the
-    slowest device's time, or the summed work over `cores` when that is more).
+    slowest device's time, with devices sharing cores at `speedup` (default
+    `Hardware.idle_speedup`) the time of `shared_finish`, or the summed work over `cores`
+    when that is more).
 
     Args:
       widths: {kind: float [S, T, L]} executed widths (stages with fewer layers padded with 0).
       speeds: float [R, S, T].
     """
+    speedup = self.hw.idle_speedup if speedup is None else speedup
     out = 0.0
     inv = 1.0 / speeds[..., None]                                        # [R, S, T, 1]
+    free = speeds[..., None] >= FULL_SPEED                               # [R, S, T, 1]
     for k, w in widths.items():
       per = self.unit_s[k] * w[None] * inv                               # [R, S, T, L]
-      block = per.max(axis=2)
+      block = per.max(axis=2) if speedup <= 1 else shared_finish(per, free, speedup)
       if self.hw.cores:
         block = np.maximum(block, per.sum(axis=2) / self.hw.cores)
       out = out + block.sum(axis=-1)
@@ -154,20 +188,36 @@ class StepModel:
     """
     f = self.factors(kinds)                                              # [S]
     blocks = self.block_seconds(widths, speeds)                          # [R, S]
+    full, idle = self.idle_parts(widths, speeds, blocks)                 # [R, S] each
     slowest = speeds.min(axis=2)                                         # [R, S]
     tau = (f * blocks + self.allreduce_s * np.asarray(self.layers) + self.repeated_s / slowest
            + self.boundary_s)                                            # [R, S]
     m = self.workload.microbatches
     pipeline = tau.sum(axis=1) + (m - 1) * tau.max(axis=1)               # [R]
     update = (self.update_s / slowest + extra_s).max(axis=1)             # [R]
-    replicas = pipeline + update + self.hw.step_overhead_s
+    wait = 1.0 - speeds.min(axis=(1, 2))                                 # [R]
+    replicas = pipeline + update + self.hw.step_overhead_s + self.hw.contention_wait_s * wait
     sync = cluster_lib.data_ring_s(self.cluster, self.hw, self.gradient_bytes(), link_factors)
     seconds, sync_s = self.strategy.combine(replicas, sync)
     # What a fit of the constants needs: the slowest replica's terms by coefficient (exact for
     # one stage; with a pipeline the microbatch count stands in for its schedule).
     r = int(np.argmax(replicas))
     scale = self.hw.device_flops * m
-    by_kind = [sum(blocks[r, i] for i, k in enumerate(kinds) if k == kind) for kind in OVERHEADS]
-    compute = blocks[r].sum() + (self.repeated_s / slowest[r]).sum()
-    features = scale * np.array([1.0 / scale, compute, *by_kind])
+    by_kind = [sum(full[r, i] for i, k in enumerate(kinds) if k == kind) for kind in OVERHEADS]
+    compute = full[r].sum() + (self.repeated_s / slowest[r]).sum()
+    features = scale * np.array([1.0 / scale, compute, *by_kind, -(f * idle[r]).sum(),
+                                 wait[r] / scale])
     return StepTime(float(seconds), replicas, float(sync_s), features)
+
+  def idle_parts(self, widths: dict, speeds: np.ndarray, blocks: np.ndarray):
+    """(full, idle), float [R, S] each: `blocks` (at `Hardware.idle_speedup` a) is
+    full - (1 - 1 / a) * idle, with `full` the blocks at a = 1 (the slowest device's seconds)
+    and `idle` what the shared cores save at a = 2 over 1/2 (exact for tensor groups of 2, where
+    the saving is linear in 1 / a; at a = 1 the fit's column for a)."""
+    a = self.hw.idle_speedup
+    if a <= 1 and not self.idle_feature:
+      return blocks, np.zeros_like(blocks)
+    full = blocks if a <= 1 else self.block_seconds(widths, speeds, 1.0)
+    probe = a if a > 1 else hardware_lib.MAX_IDLE_SPEEDUP
+    shared = blocks if a > 1 else self.block_seconds(widths, speeds, probe)
+    return full, (full - shared) / (1 - 1 / probe)

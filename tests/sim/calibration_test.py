@@ -2,16 +2,18 @@
 
 The replays use the committed constants (`experiments/calibrate_sim.py` fits them from the same
 files). Scripted replays take each run's own recorded decisions and check the costs: emulated
-runs (a host sleep on 8 fake devices) within 10% in step time and both throughput ratios;
-real-contention runs (2 processes, a CPU-bound competitor) within 12.5% in step time and ratio
-to `even`, and 15% to the oracle, except the runs `calibrate.consistency` finds noisier than the
-tolerance (their steps before any change differ from the same steps of `even` by more than 10%).
-The issue's 10% holds for every real run's step time (asserted) but the static oracle's under
-bursts (11-12%: its uneven split, kept while the competitor is off, runs faster than one speed
-per device predicts); ratios to `even` reach 10.1% elsewhere, and the bursts runs' ratios to
-the oracle inherit its error (12-14%; calibration.md). Replays
-in which the library's current decision code decides are checked for the emulated runs; for
-the real ones they show what the current controller would have done (see calibration.md).
+runs (a host sleep on 8 fake devices) and real-contention runs (2 processes, a CPU-bound
+competitor) within 10% in step time and both throughput ratios (to `even` and to the static
+oracle), except real runs that `calibrate.consistency` finds noisier than the tolerance (their
+steps before any change differ from the same steps of `even` by more than 10%; none in the
+stored benchmark). The real runs meet it with two terms of the step model that the fit finds
+in them (`Hardware.idle_speedup`, `Hardware.contention_wait_s`): with the competitor off, an
+uneven split costs what the even one does (the 2 processes share one physical core: the fast
+one computes up to twice as fast while the slow one waits), and a contended step pays a wait
+beyond its compute (the contended process wakes up late from the collectives); without them
+the bursts oracle's uneven split was off by 12%. Replays in which the library's current
+decision code decides are checked for the emulated runs; for the real ones they show what the
+current controller would have done (see calibration.md).
 """
 
 import dataclasses
@@ -31,8 +33,6 @@ from semijax.sim import traces
 MEASUREMENTS = os.path.join(ROOT, "benchmarks", "measurements")
 CONSTANTS = os.path.join(MEASUREMENTS, "sim_constants.json")
 TOLERANCE = 0.10
-TOLERANCE_REAL = 0.125
-ORACLE_TOLERANCE_REAL = 0.15
 
 
 def _runs(measured: dict) -> int:
@@ -70,11 +70,8 @@ def test_real_contention_replays_are_within_ten_percent(stored):
   for x in rows:
     if x["noisy"]:
       continue
-    assert abs(x["step_error"]) <= TOLERANCE_REAL, (calibrate.name(x), x["step_error"])
-    assert abs(x["vs_even_error"]) <= TOLERANCE_REAL, (calibrate.name(x), x["vs_even_error"])
-    assert abs(x["vs_oracle_error"]) <= ORACLE_TOLERANCE_REAL, calibrate.name(x)
-    if (x["scenario"], x["policy"]) != ("bursts", "static"):
-      assert abs(x["step_error"]) <= TOLERANCE, (calibrate.name(x), x["step_error"])
+    for key in ("step_error", "vs_even_error", "vs_oracle_error"):
+      assert abs(x[key]) <= TOLERANCE, (calibrate.name(x), key, x[key])
 
 
 def test_noisy_runs_are_those_that_disagree_with_even_on_the_same_steps(stored):
@@ -118,7 +115,8 @@ def test_the_stored_constants_are_the_fit_of_the_stored_measurements(stored):
   for name, hw in fitted.items():
     want = constants.profile(name)
     for field in ("device_flops", "step_overhead_s", "branch_overhead", "resize_overhead",
-                  "offload_overhead", "move_fixed_s", "sample_s", "step_noise"):
+                  "offload_overhead", "idle_speedup", "contention_wait_s", "move_fixed_s",
+                  "sample_s", "step_noise"):
       assert getattr(hw, field) == pytest.approx(getattr(want, field), rel=1e-6, abs=1e-12), field
   assert params[calibrate.REAL]["contention_speed"] == pytest.approx(
       constants.fit["profiles"][calibrate.REAL]["params"]["contention_speed"])
@@ -129,16 +127,19 @@ def test_the_fit_recovers_known_constants():
   measured = calibrate.load_measurements(MEASUREMENTS)["real"]
   truth = hardware.Hardware("truth", device_flops=5e10, branch_overhead=0.3,
                             resize_overhead=0.4, offload_overhead=0.6, step_overhead_s=0.02,
-                            move_fixed_s=0.2)
+                            idle_speedup=1.5, contention_wait_s=0.03, move_fixed_s=0.2)
   synthetic = dict(measured, records=[])
   for rec in measured["records"]:
     r = calibrate.replay(measured, rec, truth, scripted=True)
     synthetic["records"].append(dict(rec, step_times_s=r.step_s.tolist()))
   start = dataclasses.replace(truth, device_flops=1e10, branch_overhead=0.0, resize_overhead=0.0,
-                              offload_overhead=0.0, step_overhead_s=0.0)
+                              offload_overhead=0.0, step_overhead_s=0.0, idle_speedup=1.0,
+                              contention_wait_s=0.0)
   got = calibrate.fit_steps(synthetic, start)
   assert got.device_flops == pytest.approx(5e10, rel=0.01)
   assert got.step_overhead_s == pytest.approx(0.02, rel=0.02)
+  assert got.idle_speedup == pytest.approx(1.5, rel=0.02)
+  assert got.contention_wait_s == pytest.approx(0.03, rel=0.05)
   for field in ("branch_overhead", "resize_overhead", "offload_overhead"):
     assert getattr(got, field) == pytest.approx(getattr(truth, field), abs=0.01), field
 
@@ -211,13 +212,22 @@ def test_every_rounds_run_is_its_own_record(tmp_path, rounds):
       n for n in names if not n.endswith("semi@1")]
 
 
-def test_nnls_keeps_coefficients_non_negative():
+def test_nnls_keeps_coefficients_non_negative_and_finds_the_optimum():
+  # The optimum over every set of non-negative columns (exhaustive), at columns of very
+  # different scales, as the fit's features are.
   rng = np.random.default_rng(0)
-  a = rng.random((20, 3))
-  b = a @ np.array([2.0, -1.0, 0.5])
-  x = calibrate.nnls(a, b)
-  assert (x >= 0).all()
-  assert np.linalg.norm(a @ x - b) <= np.linalg.norm(b)
+  for trial in range(20):
+    a = rng.random((20, 4)) * np.array([1.0, 1e10, 1e-3, 1e5])
+    b = a @ (rng.normal(size=4) / np.array([1.0, 1e10, 1e-3, 1e5])) + 0.1 * rng.normal(size=20)
+    x = calibrate.nnls(a, b)
+    assert (x >= 0).all()
+    best = np.linalg.norm(b)
+    for mask in range(1, 16):
+      cols = [j for j in range(4) if mask >> j & 1]
+      y = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+      if (y >= 0).all():
+        best = min(best, np.linalg.norm(a[:, cols] @ y - b))
+    assert np.linalg.norm(a @ x - b) <= best * (1 + 1e-9) + 1e-12, trial
 
 
 def test_the_constants_file_round_trips_and_refuses_bad_fields(tmp_path, stored):

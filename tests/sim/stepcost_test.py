@@ -1,6 +1,8 @@
 """The step model against an independent loop-by-loop computation of the same formulas, and the
 workload's counts against the real engine."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -153,3 +155,43 @@ def test_workload_counts_match_the_real_engine():
   assert mine == total
   assert w.unit_flops() == {k: emulation.FWD_BWD_FACTOR * f
                             for k, f in spec.flops_per_unit().items()}
+
+
+def test_devices_sharing_cores_speed_up_while_full_speed_partners_wait():
+  # Two full-speed devices: the short one ends at 1 s, the long one then computes at 2x.
+  per = np.array([[3.0], [1.0]])                                    # [T, L] seconds
+  free = np.array([[True], [True]])
+  assert stepcost.shared_finish(per, free, 2.0) == pytest.approx([1.0 + 2.0 / 2.0])
+  assert stepcost.shared_finish(per, free, 1.5) == pytest.approx([1.0 + 2.0 / 1.5])
+  assert stepcost.shared_finish(per, free, 1.0) == pytest.approx([3.0])
+  # A contended partner leaves its core to the competitor: no speed-up.
+  assert stepcost.shared_finish(per, np.array([[True], [False]]), 2.0) == pytest.approx([3.0])
+  # Three full-speed devices (works 1, 2, 4), at most 2x: rates 1, 1.5, 2 as they end.
+  per3 = np.array([[4.0], [1.0], [2.0]])
+  want = 1.0 + (2.0 - 1.0) / 1.5 + (4.0 - 2.0) / 2.0
+  assert stepcost.shared_finish(per3, np.ones((3, 1), bool), 2.0) == pytest.approx([want])
+
+
+def test_the_features_give_the_step_with_an_idle_speedup_and_a_contention_wait():
+  w = small_workload(1)
+  c = cluster_lib.Cluster(1, 1, 2)
+  hw = hardware.Hardware("h", device_flops=1e12, branch_overhead=0.25, step_overhead_s=0.003,
+                         idle_speedup=1.6, contention_wait_s=0.02)
+  widths = {"mlp": np.array([[[70.0] * 4, [26.0] * 4]]), "heads": np.array([[[3.0] * 4,
+                                                                             [1.0] * 4]])}
+  for speeds in (np.ones((1, 1, 2)), np.array([[[1.0, 0.4]]])):
+    model = stepcost.StepModel(w, c, hw, strategies.make("sync"))
+    t = model.step(widths, ["branched"], speeds, np.ones(1))
+    coef = np.array([hw.step_overhead_s, 1 / hw.device_flops, 0.25 / hw.device_flops, 0.0, 0.0,
+                     (1 - 1 / 1.6) / hw.device_flops, hw.contention_wait_s])
+    assert t.features @ coef == pytest.approx(t.seconds, rel=1e-9)
+    # The fit's column at idle_speedup 1 (secant at 2) is the same for a tensor group of 2.
+    plain = dataclasses.replace(hw, idle_speedup=1.0)
+    probe = stepcost.StepModel(w, c, plain, strategies.make("sync"), idle_feature=True)
+    assert probe.step(widths, ["branched"], speeds, np.ones(1)).features == pytest.approx(
+        t.features, rel=1e-9)
+  wait = model.step(widths, ["branched"], np.array([[[1.0, 0.4]]]), np.ones(1)).seconds
+  none = stepcost.StepModel(w, c, dataclasses.replace(hw, contention_wait_s=0.0),
+                            strategies.make("sync"))
+  assert wait - none.step(widths, ["branched"], np.array([[[1.0, 0.4]]]), np.ones(1)).seconds \
+      == pytest.approx(0.02 * 0.6)
