@@ -68,6 +68,46 @@ def test_swapping_a_class_leaves_the_cluster_unchanged():
         assert same == (cls[i] == cls[j])
 
 
+def _greedy_classes(c):
+  """The definition, pair by pair: a device joins the first class whose first device it can swap
+  with (equal speed and memory, equal links to every other device)."""
+  reps, out = [], []
+  for i in range(c.num_devices):
+    for k, r in enumerate(reps):
+      keep = np.ones(c.num_devices, bool)
+      keep[[i, r]] = False
+      if (c.speeds[i] == c.speeds[r] and c.memory[i] == c.memory[r]
+          and np.array_equal(c.latency_s[i, keep], c.latency_s[r, keep])
+          and np.array_equal(c.bandwidth[i, keep], c.bandwidth[r, keep])):
+        out.append(k)
+        break
+    else:
+      out.append(len(reps))
+      reps.append(i)
+  return np.array(out)
+
+
+def test_classes_and_class_links_match_the_pairwise_definition():
+  rng = np.random.default_rng(1)
+  for trial in range(30):
+    n = int(rng.integers(2, 13))
+    if trial % 3 == 0:      # a ring: every device has the same sorted links, few can swap
+      hops = np.abs(np.arange(n)[:, None] - np.arange(n)[None, :])
+      lat = np.minimum(hops, n - hops) * 1e-3
+    else:                   # a few link values, symmetric
+      lat = rng.choice([1e-6, 1e-3], (n, n))
+      lat = np.triu(lat, 1) + np.triu(lat, 1).T
+    bw = np.where(lat > 1e-4, 1e8, 1e10)
+    c = cluster_lib.Cluster(rng.choice([1.0, 0.5], n), rng.choice([4e9, 8e9], n), lat, bw)
+    np.testing.assert_array_equal(c.classes(), _greedy_classes(c))
+    cls = c.classes()
+    lat_k, bw_k = c.class_links()
+    for i in range(n):
+      for j in range(n):
+        if i != j:
+          assert (lat_k[cls[i], cls[j]], bw_k[cls[i], cls[j]]) == (lat[i, j], bw[i, j])
+
+
 @pytest.mark.parametrize("kw,field", [
     (dict(speeds=[1.0, 0.0]), "cluster.speeds"),
     (dict(memory=[1.0, -1.0]), "cluster.memory"),
