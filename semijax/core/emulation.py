@@ -161,8 +161,9 @@ class PipelineEmulator:
   Per data-parallel pipeline d and stage p, one layer's forward of one microbatch takes the
   slowest tensor device's time, sum_k unit_ms[k] x (the width it executes) / speed, plus two
   tensor all-reduces of the microbatch's activations over the group's slowest link
-  (`schedule.allreduce_s`); `schedule.stage_seconds` makes the stage's forward and backward of
-  it, and each boundary transfer is `schedule.send_s` over the slowest of its links (tensor
+  (`schedule.allreduce_s`); the first stage also runs the embedding and the last the head,
+  whole, on every device (`edge_ms`, on the group's slowest device); `schedule.stage_seconds`
+  makes the stage's forward and backward of it, and each boundary transfer is `schedule.send_s` over the slowest of its links (tensor
   position t of stage p to position t of stage p + 1). The pipeline takes
   `schedule.step_time` of its tick table. After the last tick the step all-reduces the
   replicated parameters' gradients (embedding, final norm, head) over `pipe`, then every
@@ -177,6 +178,8 @@ class PipelineEmulator:
     stack_bytes: bytes of one device's block parameters (its padded local shard).
     shared_bytes: bytes of the replicated parameters.
     schedule: the tick tables' schedule.
+    edge_ms: [P] forward milliseconds at speed 1 of each stage's unsplit work outside the blocks
+      for one microbatch (the embedding on the first, the head on the last); () = none.
   """
 
   devices: Devices
@@ -186,6 +189,7 @@ class PipelineEmulator:
   stack_bytes: float
   shared_bytes: float
   schedule: str
+  edge_ms: tuple = ()
 
   def step(self, layers, executed: Sequence[dict], microbatches: Sequence[int]) -> dict:
     """The emulated seconds of a step and their parts.
@@ -203,19 +207,21 @@ class PipelineEmulator:
     r_, s_, t_ = self.grid.shape
     act = self.activation_bytes
     pipelines, bubbles, transfers = [], [], []
+    edge = np.asarray(self.edge_ms, np.float64) * 1e-3 if self.edge_ms else np.zeros(s_)
     for d in range(r_):
-      c, a = np.zeros(s_), np.zeros(s_)
+      c, a, e = np.zeros(s_), np.zeros(s_), np.zeros(s_)
       send = np.zeros(max(s_ - 1, 0))
       for p in range(s_):
         ids = self.grid[d, p]
         c[p] = max(sum(self.unit_ms[k] * float(w[t]) for k, w in executed[p].items()) / v[i]
                    for t, i in enumerate(ids)) * 1e-3
+        e[p] = edge[p] / min(v[i] for i in ids)
         a[p] = schedule_lib.allreduce_s(act, t_, *dev.group_link(ids))
         if p < s_ - 1:
           send[p] = max(schedule_lib.send_s(act, dev.latency_s[i, j], dev.bandwidth[i, j])
                         for i, j in zip(ids, self.grid[d, p + 1]))
       tab = schedule_lib.table(self.schedule, s_, int(microbatches[d]))
-      f, b = schedule_lib.stage_seconds(layers, c, a)
+      f, b = schedule_lib.stage_seconds(layers, c, a, e)
       total = schedule_lib.step_time(tab, f, b, send, send)
       pipelines.append(total)
       bubbles.append(schedule_lib.bubble(tab, f, b))

@@ -233,14 +233,17 @@ def send_s(nbytes: float, latency_s: float, bandwidth: float) -> float:
   return latency_s + nbytes / bandwidth
 
 
-def stage_seconds(layers, layer_compute_s, layer_allreduce_s):
+def stage_seconds(layers, layer_compute_s, layer_allreduce_s, edge_s=0.0):
   """(f, b): forward and backward seconds of one microbatch on a stage of `layers` layers.
 
   A layer's forward is its compute (`layer_compute_s`: the slowest tensor device's share) and
   two tensor all-reduces (`layer_allreduce_s` each: after attention and after the MLP). The
   backward recomputes the forward (compute + 2 all-reduces) and then runs twice its work
-  (2 x compute + 2 all-reduces): f = layers (c + 2 a), b = layers (3 c + 4 a). Arrays broadcast.
+  (2 x compute + 2 all-reduces). `edge_s`: the stage's unsplit forward work outside the blocks
+  (the embedding on the first stage, the head on the last), recomputed and differentiated the
+  same way: f = layers (c + 2 a) + e, b = layers (3 c + 4 a) + 3 e. Arrays broadcast.
   """
   layers = np.asarray(layers, np.float64)
   c, a = np.asarray(layer_compute_s, np.float64), np.asarray(layer_allreduce_s, np.float64)
-  return layers * (c + 2.0 * a), layers * (3.0 * c + 4.0 * a)
+  e = np.asarray(edge_s, np.float64)
+  return layers * (c + 2.0 * a) + e, layers * (3.0 * c + 4.0 * a) + 3.0 * e

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# A LayerNorm's forward FLOPs per token and feature (mean, variance, normalize, scale, shift).
+LAYERNORM_FLOPS = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -66,6 +69,29 @@ class ModelSpec:
     """
     gemm = self.gemm_flops_per_unit()
     return {"mlp": gemm["mlp"], "heads": gemm["heads"] + self._attention_flops()}
+
+  def edge_flops(self) -> dict:
+    """Forward FLOPs per token of the unsplit work outside the blocks, which every device of
+    the first and of the last pipeline stage runs whole: {"first": the embedding, "last": the
+    final LayerNorm, the head and the loss}.
+
+    gpt: a table lookup and the position add (d_model) first; the final norm, the head GEMM
+    over the vocabulary (2 * d_model * vocab_size) and the softmax cross-entropy (5 * vocab)
+    last. vit: the patch projection (2 * patch^2 * channels * d_model per patch token) first;
+    plus the class token and position add (d_model) first; the final norm over every token, and
+    the head on the class token alone (2 * d_model * classes per example, spread over its
+    seq_len tokens) last.
+    """
+    d, f = self.d_model, self.kwargs
+    if self.name == "gpt":
+      v = f["vocab_size"]
+      return {"first": float(d), "last": float(LAYERNORM_FLOPS * d + 2 * d * v + 5 * v)}
+    if self.name == "vit":
+      patch_in = f["patch_size"] ** 2 * f["channels"]
+      head = 2 * d * f["num_classes"] + 5 * f["num_classes"]
+      return {"first": float(2 * patch_in * d * (self.seq_len - 1) / self.seq_len + d),
+              "last": float(LAYERNORM_FLOPS * d + head / self.seq_len)}
+    raise ValueError(f"spec.name: edge FLOPs are known for 'gpt' and 'vit', not {self.name!r}")
 
   def gemm_flops_per_unit(self) -> dict:
     """The part of `flops_per_unit` in the unit's GEMMs with d_model (what the contraction mode

@@ -23,13 +23,18 @@ sequence). Parameter counts follow `semijax.models` (float32, 4 bytes each):
                 2 d + d vocab (the head has no bias and is not tied to the embedding), ViT
                 2 d + d classes + classes.
 
-The embedding and head cost parameters (memory, the data-parallel all-reduce) but no compute in
-the time model: stages are timed by their layers alone.
+The embedding and the head (with the final norm and the loss) are not split over `tensor`:
+every device of the first stage runs the embedding whole for each microbatch, every device of
+the last the head (`ModelSpec.edge_flops`: first_flops, last_flops per token), so those stages
+also take `edge_s` (forward; the backward recomputes it and does twice its work, as for a
+layer: `core.schedule.stage_seconds`). For a large vocabulary the head is worth several layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from semijax.core import spec as spec_lib
 
@@ -47,6 +52,8 @@ class ModelCosts:
     layer_params, first_params, last_params: parameters every device of a stage holds per
       layer, of the embedding, of the final norm and head.
     device_gflops: GFLOP/s of a device at speed 1.
+    first_flops, last_flops: forward FLOPs per token of the embedding and of the final norm,
+      head and loss (0: not charged).
   """
 
   num_layers: int
@@ -59,6 +66,8 @@ class ModelCosts:
   first_params: int
   last_params: int
   device_gflops: float
+  first_flops: float = 0.0
+  last_flops: float = 0.0
 
   def __post_init__(self):
     if not self.device_gflops > 0:
@@ -85,7 +94,8 @@ class ModelCosts:
                num_units=dict(spec.num_units()), flops_per_unit=dict(spec.flops_per_unit()),
                unit_params={"mlp": 2 * d + 1, "heads": 4 * d * hd + 3 * hd},
                layer_params=6 * d, first_params=first, last_params=last,
-               device_gflops=float(device_gflops))
+               device_gflops=float(device_gflops), first_flops=spec.edge_flops()["first"],
+               last_flops=spec.edge_flops()["last"])
 
   @property
   def kinds(self) -> tuple[str, ...]:
@@ -99,6 +109,15 @@ class ModelCosts:
   def unit_s(self, tokens: int) -> dict:
     """`unit_ms` in seconds."""
     return {k: v * 1e-3 for k, v in self.unit_ms(tokens).items()}
+
+  def edge_s(self, tokens: int, stages: int) -> np.ndarray:
+    """float [stages]: forward seconds at speed 1 of the unsplit work outside the blocks on each
+    stage for `tokens` tokens: the embedding on the first, the head on the last (both on one)."""
+    out = np.zeros(stages)
+    rate = self.device_gflops * 1e9
+    out[0] += self.first_flops * tokens / rate
+    out[-1] += self.last_flops * tokens / rate
+    return out
 
   def activation_bytes(self, tokens: int) -> float:
     """Bytes of one microbatch's activations at a layer boundary: tokens x d_model float32 (what

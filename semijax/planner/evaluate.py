@@ -2,7 +2,7 @@
 
 `GridCosts.of` computes what a placement fixes, whatever the layer partition: per pipeline d and
 stage p the forward compute of one layer (`compute_s` [R, S]: the slowest tensor device's
-share), one tensor all-reduce (`allreduce_s` [R, S]), the boundary transfer to the next stage
+share) and of the unsplit embedding or head (`edge_s` [R, S]), one tensor all-reduce (`allreduce_s` [R, S]), the boundary transfer to the next stage
 (`send_s` [R, S-1]), and per mesh position the data-parallel ring's link and the device's
 memory. `assess` then prices a batch of partitions [P, S] under one schedule and sync mode, and
 `pipeline_seconds` one pipeline at a time (for splits too long to tabulate). The formulas are
@@ -85,6 +85,8 @@ class GridCosts:
     grid: int [R, S, N] device ids.
     units: per stage {kind: counts [N]}.
     compute_s: float [R, S] one layer's forward compute for one microbatch.
+    edge_s: float [R, S] the embedding's (first stage) and head's (last stage) forward compute
+      for one microbatch on the group's slowest device.
     allreduce_s: float [R, S] one tensor all-reduce of one microbatch's activations.
     send_s: float [R, S-1] one microbatch over boundary p -> p+1 (and back).
     layer_params: parameters every device holds per layer slot: the units of each kind at the
@@ -101,6 +103,7 @@ class GridCosts:
   grid: np.ndarray
   units: tuple
   compute_s: np.ndarray
+  edge_s: np.ndarray
   allreduce_s: np.ndarray
   send_s: np.ndarray
   layer_params: float
@@ -136,6 +139,7 @@ class GridCosts:
     pipe_ar = float(np.max(np.zeros(pipe_lat.shape) + schedule_lib.allreduce_s(
         costs_lib.BYTES * shared, s_, pipe_lat, pipe_bw)))
     compute = (work[None] / speeds).max(axis=-1)                           # [R, S]
+    edge = costs.edge_s(tokens, s_)[None, :] / speeds.min(axis=-1)         # [R, S]
     act = costs.activation_bytes(tokens)
     lat, bw = _pair_link(cluster, grid)                                    # [R, S]
     ar = np.zeros((r_, s_)) + schedule_lib.allreduce_s(act, n_, lat, bw)
@@ -146,9 +150,9 @@ class GridCosts:
       send = np.zeros((r_, 0))
     ring_lat, ring_bw = _pair_link(cluster, np.moveaxis(grid, 0, -1))     # [S, N]
     memory = cluster.memory[grid]
-    sig = np.concatenate([compute, ar, send, memory.reshape(r_, -1)], axis=1)
+    sig = np.concatenate([compute, edge, ar, send, memory.reshape(r_, -1)], axis=1)
     _, first, inverse = np.unique(sig, axis=0, return_index=True, return_inverse=True)
-    return cls(grid, tuple(units), compute, ar, send, float(layer_params), float(shared),
+    return cls(grid, tuple(units), compute, edge, ar, send, float(layer_params), float(shared),
                pipe_ar, ring_lat, ring_bw, memory, act, first, inverse.reshape(-1))
 
   @property
@@ -186,7 +190,7 @@ class GridCosts:
   def stage_seconds(self, layers: np.ndarray):
     """(f, b) float [..., R, S] per microbatch for partitions `layers` [..., S]."""
     layers = np.asarray(layers, np.float64)[..., None, :]
-    return schedule_lib.stage_seconds(layers, self.compute_s, self.allreduce_s)
+    return schedule_lib.stage_seconds(layers, self.compute_s, self.allreduce_s, self.edge_s)
 
 
 def lower_bound(gc: GridCosts, costs: costs_lib.ModelCosts, num_microbatches: int,
@@ -217,7 +221,8 @@ def pipeline_seconds(gc: GridCosts, costs: costs_lib.ModelCosts, layers, schedul
   params = gc.param_counts(layers, costs)
   if not gc.fits(params, masks[2], pipeline):
     return np.inf
-  f, b = schedule_lib.stage_seconds(layers, gc.compute_s[pipeline], gc.allreduce_s[pipeline])
+  f, b = schedule_lib.stage_seconds(layers, gc.compute_s[pipeline], gc.allreduce_s[pipeline],
+                                    gc.edge_s[pipeline])
   return float(masked_step_time(masks, f, b, gc.send_s[pipeline]))
 
 

@@ -9,8 +9,12 @@ unit_ms and parameter counts, `cluster` for speeds v, memory and links):
                   per layer in the forward; allreduce_s(b, N, L, W) = 0 if N == 1, else
                   2 (N-1) L + 2 (N-1)/N b / W (a ring; the slowest link: the largest latency
                   and the smallest bandwidth over the members' pairs).
-  per microbatch  f = layers_p (c + 2 a), b = layers_p (3 c + 4 a) (the backward recomputes
-                  the forward, then does twice its work; `core.schedule.stage_seconds`).
+  edge compute    e = edge_s[p] / the group's slowest speed: the embedding on the first stage
+                  and the final norm, head and loss on the last, run whole by every device of
+                  the stage (`costs.ModelCosts.edge_s`).
+  per microbatch  f = layers_p (c + 2 a) + e, b = layers_p (3 c + 4 a) + 3 e (the backward
+                  recomputes the forward, then does twice its work;
+                  `core.schedule.stage_seconds`).
   boundary        p -> p+1 and back, per microbatch: max over t of
                   L + tokens x d_model x 4 / W over the link (d, p, t) -- (d, p+1, t).
   pipeline d      `core.schedule.step_time(table(schedule, S, M_d), f, b, send, send)`.
@@ -86,6 +90,7 @@ def predict(plan: plan_lib.Plan, costs: costs_lib.ModelCosts,
   _check(plan, costs, cluster)
   tokens = plan.microbatch_size * costs.seq_len
   unit_ms = costs.unit_ms(tokens)
+  edge_s = costs.edge_s(tokens, plan.pipe)
   act = costs.activation_bytes(tokens)
   grid = plan.grid()
   r_, s_, n_ = grid.shape
@@ -97,20 +102,22 @@ def predict(plan: plan_lib.Plan, costs: costs_lib.ModelCosts,
   pipelines, parts = [], []
   memory = np.zeros(cluster.num_devices)
   for d in range(r_):
-    c, a, send = np.zeros(s_), np.zeros(s_), np.zeros(max(s_ - 1, 0))
+    c, e, a = np.zeros(s_), np.zeros(s_), np.zeros(s_)
+    send = np.zeros(max(s_ - 1, 0))
     for p in range(s_):
       devs = grid[d, p]
       c[p] = max(sum(unit_ms[k] * plan.stage_units[p][k][t] for k in costs.kinds) / v[i]
                  for t, i in enumerate(devs)) * 1e-3
+      e[p] = edge_s[p] / min(v[i] for i in devs)
       a[p] = schedule_lib.allreduce_s(act, n_, *cluster.group_link(devs))
       if p < s_ - 1:
         send[p] = max(schedule_lib.send_s(act, cluster.latency_s[i, j], cluster.bandwidth[i, j])
                       for i, j in zip(devs, grid[d, p + 1]))
     tab = schedule_lib.table(plan.schedule, s_, plan.microbatches[d])
-    f, b = schedule_lib.stage_seconds(plan.stage_layers, c, a)
+    f, b = schedule_lib.stage_seconds(plan.stage_layers, c, a, e)
     total = schedule_lib.step_time(tab, f, b, send, send)
     compute = schedule_lib.step_time(tab, f, b, 0 * send, 0 * send)
-    f0, b0 = schedule_lib.stage_seconds(plan.stage_layers, c, 0 * a)
+    f0, b0 = schedule_lib.stage_seconds(plan.stage_layers, c, 0 * a, e)
     pipelines.append(total)
     parts.append({"compute_s": compute,
                   "tensor_allreduce_s": compute - schedule_lib.step_time(tab, f0, b0, 0 * send,

@@ -10,7 +10,8 @@ what one layout per stage can follow). `planner` is the oracle with uneven stage
 planner (`semijax.planner`, through `sim.planning.stage_layers`) chooses each stage's layers for
 the study's mesh and placement from every device's mean speed over the `even` run, and each
 stage's split is the oracle's. The ideal is total work over total speed: each step's even,
-single-width time at full speed over the cluster's mean device speed at that moment.
+single-width time at full speed over the cluster's mean device speed at that moment (the even
+pipeline's work: a plan that takes layers off the stage with the head beats it).
 
 The columns (`COLUMNS`) are the balancing policies under synchronous data parallelism, and
 `semijax.sync`'s SSAW across the replicas with the even split (`ssaw`) and with `semi` inside

@@ -17,8 +17,7 @@ from semijax.errors import ConfigError
 
 # Bytes of one float32 value: parameters, gradients and Adam moments are float32 in semijax.
 F32 = 4
-# A LayerNorm's forward FLOPs per token and feature (mean, variance, normalize, scale, shift).
-LAYERNORM_FLOPS = 8
+LAYERNORM_FLOPS = spec_lib.LAYERNORM_FLOPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +100,7 @@ class Workload:
 
   def last_flops(self) -> float:
     """Forward + backward FLOPs per token of the final norm, the head and the loss."""
-    d, v = self.spec.d_model, self.vocab_size
-    return emulation.FWD_BWD_FACTOR * (LAYERNORM_FLOPS * d + 2 * d * v + 5 * v)
+    return emulation.FWD_BWD_FACTOR * self.spec.edge_flops()["last"]
 
   # --- bytes on the wire ----------------------------------------------------------------------
 

@@ -215,9 +215,11 @@ def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
   if run.pipeline.devices is not None:
     tokens = plan.microbatch_size * run.model.seq_len
     stack_bytes, shared_bytes = engine.local_bytes(layout)
+    costs = model_costs(run)
     emulator = emulation.PipelineEmulator(
-        run.pipeline.devices, plan.grid(), model_costs(run).unit_ms(tokens),
-        costs_lib.BYTES * tokens * run.model.d_model, stack_bytes, shared_bytes, plan.schedule)
+        run.pipeline.devices, plan.grid(), costs.unit_ms(tokens),
+        costs_lib.BYTES * tokens * run.model.d_model, stack_bytes, shared_bytes, plan.schedule,
+        tuple(1e3 * costs.edge_s(tokens, plan.pipe)))
   return Setup(plan, engine, layout, emulator)
 
 

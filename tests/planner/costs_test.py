@@ -1,6 +1,7 @@
 """The planner's model costs against the real models' parameters and the spec's FLOPs."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -40,3 +41,31 @@ def test_unit_ms_follows_the_spec_flops():
   assert costs.activation_bytes(64) == 64 * spec.d_model * 4
   with pytest.raises(ValueError, match="device_gflops"):
     costs_lib.ModelCosts.from_spec(spec, 0.0)
+
+
+def _xla_flops_per_token(fn, x, tokens):
+  cost = jax.jit(fn).lower(x).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return cost["flops"] / tokens
+
+
+def test_edge_flops_follow_xla_s_count():
+  """The unsplit work outside the blocks (`ModelSpec.edge_flops`) against XLA's FLOP count of
+  the model's own code: a GPT's final norm and head (a vocabulary large enough for the head's
+  GEMM to matter; the loss's 5 vocab is not part of `head_out`), a ViT's patch embedding."""
+  spec = models.spec("gpt", dict(GPT_KW, vocab_size=256))
+  costs = costs_lib.ModelCosts.from_spec(spec, 1.0)
+  model = models.build(spec)[0](nnx.Rngs(0))
+  x = jnp.zeros((2, spec.seq_len, spec.d_model))
+  xla = _xla_flops_per_token(model.head_out, x, 2 * spec.seq_len)
+  assert xla == pytest.approx(costs.last_flops - 5 * 256, rel=0.05)
+  spec = models.spec("vit", VIT_KW)
+  costs = costs_lib.ModelCosts.from_spec(spec, 1.0)
+  model = models.build(spec)[0](nnx.Rngs(0))
+  images = jnp.zeros((2, VIT_KW["image_size"], VIT_KW["image_size"], VIT_KW["channels"]))
+  xla = _xla_flops_per_token(model.stem, images, 2 * spec.seq_len)
+  assert xla == pytest.approx(costs.first_flops, rel=0.05)
+  # Charged to the edge stages, once each; one stage runs both.
+  np.testing.assert_allclose(costs.edge_s(100, 3), [costs.first_flops * 100 / 1e9, 0,
+                                                    costs.last_flops * 100 / 1e9])
+  assert costs.edge_s(100, 1)[0] == pytest.approx((costs.first_flops + costs.last_flops) / 1e7)

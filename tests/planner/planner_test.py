@@ -49,7 +49,11 @@ def random_case(seed):
       num_units={"mlp": d_ff, "heads": heads},
       flops_per_unit={"mlp": 128.0, "heads": 256.0 * 32 / heads + 1000.0},
       unit_params={"mlp": 65, "heads": 4 * 32 * 32 // heads}, layer_params=192,
-      first_params=2560, last_params=2112, device_gflops=float(rng.choice([0.01, 0.1, 1.0])))
+      first_params=2560, last_params=2112, device_gflops=float(rng.choice([0.01, 0.1, 1.0])),
+      # The embedding and head's compute, from 0 to several layers' worth (its own draws, so
+      # the cases' other draws stay as they were).
+      **dict(zip(("first_flops", "last_flops"),
+                 np.random.default_rng(seed + 1000).choice([0.0, 300.0, 3000.0, 20000.0], 2))))
   batch = int(rng.choice([2, 4, 6]))
   sizes = tuple(m for m in (1, 2, 3) if batch % m == 0)[:int(rng.integers(1, 3))]
   syncs = ("sync", "ssaw") if rng.random() < 0.2 else ("sync",)

@@ -1,6 +1,8 @@
 """The time model of a plan: hand-worked plans, the vectorized search's prices against the
 loop-by-loop `predict`, and bad plans named."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -60,6 +62,39 @@ def test_a_pipeline_by_hand():
   assert not out["memory_ok"] and out["memory_use"] == pytest.approx((12 * 392 + 32) / 3000)
 
 
+def test_the_embedding_and_head_by_hand():
+  """The unsplit edge work: every device of the first stage runs the embedding (1 s per token
+  here), of the last the head (4 s), on the group's slowest device; the backward 3x. A head
+  worth two layers moves a layer off the last stage."""
+  costs = dataclasses.replace(COSTS, num_layers=4, first_flops=1e9, last_flops=4e9)
+  free = CLUSTER.without_links()
+
+  def plan(layers):
+    return plan_lib.Plan(data=1, pipe=2, tensor=2, device_order=(0, 1, 2, 3),
+                         stage_layers=layers, stage_units=({"mlp": (3, 1), "heads": (1, 1)},
+                                                           {"mlp": (2, 2), "heads": (1, 1)}),
+                         microbatches=(1,), microbatch_size=1, schedule="gpipe")
+  out = predict.predict(plan((2, 2)), costs, free)
+  # Stage 0: 2 layers x 6 s + 1 s / 0.5 (device 1's speed); stage 1: 2 x 4 s + 4 s.
+  np.testing.assert_allclose(out["stage_forward_s"], [14.0, 12.0])
+  np.testing.assert_allclose(out["stage_backward_s"], [42.0, 36.0])
+  assert out["step_s"] == pytest.approx(14 + 12 + 36 + 42)
+  without = predict.predict(plan((2, 2)), dataclasses.replace(costs, first_flops=0.0,
+                                                              last_flops=0.0), free)
+  assert without["step_s"] == pytest.approx(12 + 8 + 24 + 36)
+  # Equal devices, 4 s a layer and a head worth two layers: (3, 1) balances the stages and
+  # beats (2, 2) once microbatches overlap.
+  heavy = dataclasses.replace(costs, first_flops=0.0, last_flops=8e9)
+  equal = cluster_lib.Cluster(np.ones(4), np.inf, np.zeros((4, 4)), np.full((4, 4), np.inf))
+  units = {"mlp": (2, 2), "heads": (1, 1)}
+  t = {layers: predict.predict(dataclasses.replace(plan(layers), stage_units=(units, units),
+                                                   microbatches=(4,)), heavy, equal)["step_s"]
+       for layers in ((2, 2), (3, 1))}
+  # gpipe: F ticks then B ticks; (2, 2): stages (8, 16) f, (24, 48) b; (3, 1): (12, 12), (36, 36).
+  assert t[(2, 2)] == pytest.approx(8 + 4 * 16 + 4 * 48 + 24)
+  assert t[(3, 1)] == pytest.approx(12 + 4 * 12 + 4 * 36 + 36)
+
+
 def test_data_parallel_pipelines_by_hand():
   plan = plan_lib.Plan(data=2, pipe=1, tensor=2, device_order=(0, 1, 2, 3), stage_layers=(3,),
                        stage_units=({"mlp": (2, 2), "heads": (1, 1)},), microbatches=(1, 1),
@@ -88,7 +123,9 @@ def random_request(rng, num_devices, layers):
                                num_units={"mlp": 64, "heads": 4},
                                flops_per_unit={"mlp": 128.0, "heads": 3000.0},
                                unit_params={"mlp": 65, "heads": 1048}, layer_params=192,
-                               first_params=2560, last_params=2112, device_gflops=0.05)
+                               first_params=2560, last_params=2112, device_gflops=0.05,
+                               first_flops=float(rng.choice([0.0, 500.0])),
+                               last_flops=float(rng.choice([0.0, 5000.0, 30000.0])))
   return request.as_request(costs, cluster, 48, (1, 2, 4), syncs=("sync", "ssaw"))
 
 

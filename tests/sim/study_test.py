@@ -14,14 +14,18 @@ def test_a_small_study_has_every_column_and_its_references():
   assert set(p for _, p in cells) == set(study.POLICIES)
   for scenario in ("none", "rotating"):
     assert cells[(scenario, "even")]["vs_even"] == 1.0
-  # Nobody slow: every column trains at the ideal; a rotating 8x straggler: even far below it.
-  assert all(np.isclose(cells[("none", p)]["vs_ideal"], 1.0, atol=0.02) for p in study.POLICIES)
+  # Nobody slow: every column with equal stages trains at the ideal (the even pipeline at full
+  # speed); the planner takes layers off the stage with the head, beyond it. A rotating 8x
+  # straggler: even far below it.
+  assert all(np.isclose(cells[("none", p)]["vs_ideal"], 1.0, atol=0.02)
+             for p in study.POLICIES if p != "planner")
+  layers = cells[("none", "planner")]["stage_layers"]
+  assert layers[-1] < min(layers[:-1]) and cells[("none", "planner")]["vs_even"] > 1.05
   assert cells[("rotating", "even")]["vs_ideal"] < 0.6
   assert cells[("rotating", "ssaw")]["mean_staleness"] > 0
   table = study.markdown(result)
   assert table.count("\n") == 2 + 2 and "semi+ssaw" in table
-  assert cells[("none", "planner")]["stage_layers"] == [8, 8, 8, 8]
-  assert "| none | 8, 8, 8, 8 |" in study.layers_markdown(result)
+  assert f"| none | {', '.join(map(str, layers))} |" in study.layers_markdown(result)
 
 
 def test_overhead_rows():
