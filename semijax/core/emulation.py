@@ -163,12 +163,12 @@ class PipelineEmulator:
   tensor all-reduces of the microbatch's activations over the group's slowest link
   (`schedule.allreduce_s`); the first stage also runs the embedding and the last the head,
   whole, on every device (`edge_ms`, on the group's slowest device); `schedule.stage_seconds`
-  makes the stage's forward and backward of it, and each boundary transfer is `schedule.send_s` over the slowest of its links (tensor
-  position t of stage p to position t of stage p + 1). The pipeline takes
-  `schedule.step_time` of its tick table. After the last tick the step all-reduces the
-  replicated parameters' gradients (embedding, final norm, head) over `pipe`, then every
-  gradient over `data`, each a ring over the slowest link it crosses (the slowest ring of each).
-  The step lasts as long as the slowest pipeline plus those all-reduces.
+  makes the stage's forward and backward of it, and each boundary transfer is `schedule.send_s`
+  over the slowest of its links (tensor position t of stage p to position t of stage p + 1).
+  The pipeline takes `schedule.step_time` of its tick table. After the last tick the step
+  all-reduces the replicated parameters' gradients (embedding, final norm, head) over `pipe`,
+  then every gradient over `data`, each a ring over the slowest link it crosses (the slowest
+  ring of each). The step lasts as long as the slowest pipeline plus those all-reduces.
 
   Attributes:
     devices: speeds and links by device id.
