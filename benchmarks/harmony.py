@@ -75,11 +75,14 @@ def make_plans(run) -> dict:
 
 def ideal_step_s(run) -> float:
   """Total work over total speed: every layer's forward, recomputed forward and backward (4x
-  the forward, as `schedule.stage_seconds` counts it) of the whole batch, spread over all
-  devices in proportion to their speed, with no bubble and free links."""
+  the forward, as `schedule.stage_seconds` counts it) of the whole batch, and the same of the
+  embedding and head once, spread over all devices in proportion to their speed, with no
+  bubble and free links."""
   costs = pipelined.model_costs(run)
-  ms = costs.unit_ms(run.batch_size * run.model.seq_len)
-  work = 4 * costs.num_layers * sum(ms[k] * costs.num_units[k] for k in costs.kinds) * 1e-3
+  tokens = run.batch_size * run.model.seq_len
+  ms = costs.unit_ms(tokens)
+  layers = costs.num_layers * sum(ms[k] * costs.num_units[k] for k in costs.kinds) * 1e-3
+  work = 4 * (layers + float(costs.edge_s(tokens, 1)[0]))
   return work / float(np.sum(run.pipeline.devices.speeds))
 
 
