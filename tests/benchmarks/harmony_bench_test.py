@@ -35,12 +35,15 @@ def test_summary_ratios_targets_and_time_to_loss():
   assert out["strategies"]["compute_only"]["target_step"] == 4
   assert full["prediction_error"] == pytest.approx(0.0)
   assert out["targets"]["met"]
-  # Total work over total speed: 4x the forward of every unit of every layer, at speed 6.
+  # Total work over total speed: 4x the forward of every unit of every layer and of the
+  # embedding and head once, at speed 6.
   spec = run.model
   flops = spec.flops_per_unit()
+  edge = spec.edge_flops()
   tokens = run.batch_size * spec.seq_len
-  want = 4 * spec.num_layers * (flops["mlp"] * spec.d_ff + flops["heads"] * spec.num_heads) * \
-      tokens / (run.hetero.device_gflops * 1e9) / 6.0
+  per_token = (spec.num_layers * (flops["mlp"] * spec.d_ff + flops["heads"] * spec.num_heads)
+               + edge["first"] + edge["last"])
+  want = 4 * per_token * tokens / (run.hetero.device_gflops * 1e9) / 6.0
   assert out["ideal_step_s"] == pytest.approx(want)
   assert "NOT met" not in harmony.table(out)
 
