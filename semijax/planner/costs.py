@@ -90,12 +90,13 @@ class ModelCosts:
     else:
       raise ValueError(f"spec.name: the planner knows the parameters of 'gpt' and 'vit', got "
                        f"{spec.name!r}")
+    edge = spec.edge_flops()
     return cls(num_layers=spec.num_layers, d_model=d, seq_len=spec.seq_len,
                num_units=dict(spec.num_units()), flops_per_unit=dict(spec.flops_per_unit()),
                unit_params={"mlp": 2 * d + 1, "heads": 4 * d * hd + 3 * hd},
                layer_params=6 * d, first_params=first, last_params=last,
-               device_gflops=float(device_gflops), first_flops=spec.edge_flops()["first"],
-               last_flops=spec.edge_flops()["last"])
+               device_gflops=float(device_gflops), first_flops=edge["first"],
+               last_flops=edge["last"])
 
   @property
   def kinds(self) -> tuple[str, ...]:

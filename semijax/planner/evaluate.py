@@ -4,9 +4,9 @@
 stage p the forward compute of one layer (`compute_s` [R, S]: the slowest tensor device's
 share) and of the unsplit embedding or head (`edge_s` [R, S]), one tensor all-reduce
 (`allreduce_s` [R, S]), the boundary transfer to the next stage (`send_s` [R, S-1]), and per
-mesh position the data-parallel ring's link and the device's
-memory. `assess` then prices a batch of partitions [P, S] under one schedule and sync mode, and
-`pipeline_seconds` one pipeline at a time (for splits too long to tabulate). The formulas are
+mesh position the data-parallel ring's link and the device's memory. `assess` then prices a
+batch of partitions [P, S] under one schedule and sync mode, and `pipeline_seconds` one
+pipeline at a time (for splits too long to tabulate). The formulas are
 `predict`'s, which stays loop-by-loop and readable; the tests hold the two equal.
 """
 

@@ -65,8 +65,9 @@ class SyncSettings:
     """Whether the replicas combine in rounds (ssaw, async) rather than in lockstep."""
     return self.mode in ("ssaw", "async")
 
-  def validate(self, num_replicas: int) -> "SyncSettings":
-    """Raises ConfigError naming the first bad field; `num_replicas` = mesh.data."""
+  def validate(self, num_replicas: int | None) -> "SyncSettings":
+    """Raises ConfigError naming the first bad field; `num_replicas` = mesh.data, or None while
+    it is not known yet (a run that the planner will shape: the checks against it wait)."""
     f = "config.sync"
     if self.mode not in MODES:
       raise ConfigError(f"{f}.mode: {self.mode!r} is not one of {list(MODES)}")
@@ -91,6 +92,8 @@ class SyncSettings:
         raise ConfigError(f"{f}.{name}: must be in {interval}, got {v!r}")
     if not _is_number(self.outer_lr) or self.outer_lr <= 0:
       raise ConfigError(f"{f}.outer_lr: must be a positive number, got {self.outer_lr!r}")
+    if num_replicas is None:
+      return self
     if self.mode != "sync" and num_replicas < 2:
       raise ConfigError(f"{f}.mode: {self.mode!r} combines data-parallel replicas, but "
                         f"mesh.data = {num_replicas}; set mesh.data >= 2 or mode 'sync'")

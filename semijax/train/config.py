@@ -519,9 +519,8 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
   known = {f.name for f in dataclasses.fields(settings_lib.BalanceSettings)}
   balance = settings_lib.BalanceSettings(**{k: v for k, v in config.balance.items()
                                             if k in known}).validate(policies_lib.REGISTRY)
-  # A plan's pipelines are counted when it is made (`pipelined.for_plan`).
-  replicas = max(mesh.data, 2) if plan else mesh.data
-  sync = _sync(config, dataclasses.replace(mesh, data=replicas), balance, resize, num_devices, 1)
+  # A plan's pipelines are counted when it is made (`pipelined.for_plan` validates again).
+  sync = _sync_settings(config, None if plan else mesh.data)
   if process_count > 1 and (set(syncs) | {sync.mode}) != {"sync"}:
     raise ConfigError(f"config.sync.mode: pipelined runs over {process_count} processes combine "
                       f"their pipelines synchronously ('sync'); the replica modes "
@@ -613,12 +612,7 @@ def _sync(config, mesh: mesh_lib.MeshSpec, balance: settings_lib.BalanceSettings
           resize: resize_spec_lib.ResizeSpec, num_devices: int | None,
           process_count: int) -> sync_settings_lib.SyncSettings:
   """`config.sync` and `config.hetero.replica_slowdown` -> validated `SyncSettings`."""
-  known = {f.name for f in dataclasses.fields(sync_settings_lib.SyncSettings)}
-  replicas = parse_numbers(config.hetero.replica_slowdown,
-                           "config.hetero.replica_slowdown") or None
-  sync = sync_settings_lib.SyncSettings(
-      **{k: v for k, v in config.sync.items() if k in known},
-      replica_slowdown=replicas).validate(mesh.data)
+  sync = _sync_settings(config, mesh.data)
   if sync.mode == "sync":
     return sync
   if balance.policy not in REPLICA_MODE_POLICIES or resize.scheduled:
@@ -638,6 +632,17 @@ def _sync(config, mesh: mesh_lib.MeshSpec, balance: settings_lib.BalanceSettings
       raise ConfigError("config.hetero.replica_slowdown: emulates replicas in one process; "
                         "with several processes their real speeds count")
   return sync
+
+
+def _sync_settings(config, num_replicas: int | None) -> sync_settings_lib.SyncSettings:
+  """`config.sync` and `config.hetero.replica_slowdown` -> `SyncSettings` validated for
+  `num_replicas` replicas (None: not known yet)."""
+  known = {f.name for f in dataclasses.fields(sync_settings_lib.SyncSettings)}
+  replicas = parse_numbers(config.hetero.replica_slowdown,
+                           "config.hetero.replica_slowdown") or None
+  return sync_settings_lib.SyncSettings(
+      **{k: v for k, v in config.sync.items() if k in known},
+      replica_slowdown=replicas).validate(num_replicas)
 
 
 def _resize(r, num_devices: int) -> resize_spec_lib.ResizeSpec:
