@@ -234,8 +234,28 @@ class Balancer:
       state = self._warm_moves(state, batch, eval_batch)
     if self.sampler is not None:   # last: the first sample then measures training steps only
       self.sampler.start()
+      self._trial(state, batch, step)
     self.compiles_at_warmup = compiles.count()
     return state
+
+  def _trial(self, state, batch, step: int) -> None:
+    """Times one step in the starting layout on a throwaway copy of `state` (with the emulated
+    slowdown) and takes a provisional speed sample of it (`SpeedSampler.trial`): 0-based `step`,
+    the first to run, then already runs on a decision, so a run that starts on unequal devices
+    moves before its first step instead of after it. Off the clock, like the rest of warm-up."""
+    setup = self.setup(step)
+    resize = None
+    if self.resizer is not None:
+      resize = self.resizer.resize(self.layout, setup.keep)
+    plan, executed = self.plans.plan(self.layout, setup, resize,
+                                     0 if self.resizer is None else self.resizer.version)
+    scratch = jax.tree.map(lambda x: x.copy(), state)
+    t0 = time.perf_counter()
+    _, metrics = self.engine.train_step(scratch, batch, plan)
+    jax.block_until_ready(metrics)
+    if self.emulator is not None:
+      self.emulator.sleep(self.emulator.delay_s(step, executed))
+    self._take(self.sampler.trial(step, time.perf_counter() - t0))
 
   def _warm_moves(self, state, batch, eval_batch):
     """An uneven split in the big bucket, a migration inside it and back, then home; then one

@@ -155,6 +155,23 @@ class SpeedSampler:
     self._pending.append(step_s)
     if step % self.every:
       return None
+    return self._take(step)
+
+  def trial(self, step: int, step_s: float) -> Sample:
+    """A sample of one step timed in warm-up, `step_s` seconds before 0-based `step` (the first
+    to run), so that `step` already runs on a decision. It is provisional: the shared clock does
+    not advance, and the first training sample starts the tracker's regime and the smoothed
+    step time afresh (warm-up need not be the training's regime: e.g. a competing job may start
+    with the training)."""
+    self._pending = [step_s]
+    clock_s = self.clock_s
+    sample = self._take(step, provisional=True)
+    self.clock_s = clock_s
+    self.samples -= self.probe is not None
+    return dataclasses.replace(sample, clock_s=clock_s, probe_s=0.0)
+
+  def _take(self, step: int, provisional: bool = False) -> Sample:
+    """Measures, shares and tracks one sample over the pending steps' seconds."""
     t0 = time.perf_counter()
     local = self.probe.measure() if self.probe is not None else {}
     mean_s = float(np.mean(self._pending))
@@ -169,8 +186,9 @@ class SpeedSampler:
     self.samples += self.probe is not None
     self.clock_s += mean_s * len(self._pending)
     self._pending = []
-    new_regime = self.tracker.update(times, self.clock_s)
-    self.step_s = mean_s if self.step_s is None else (
+    fresh = self.tracker.provisional
+    new_regime = self.tracker.update(times, self.clock_s, provisional=provisional)
+    self.step_s = mean_s if self.step_s is None or fresh else (
         (1 - STEP_TIME_ALPHA) * self.step_s + STEP_TIME_ALPHA * mean_s)
     return Sample(np.asarray(times, np.float64), mean_s, self.clock_s, probe_s, new_regime)
 

@@ -195,14 +195,18 @@ class SpeedTracker:
     self._since = np.zeros(num_devices)                 # when each device's streak began
     self._recent: list[np.ndarray] = []                 # the last `confirm` samples (log speeds)
     self.samples = 0
+    self.provisional = False    # the regime is a warm-up sample's, replaced by the next sample
 
   @property
   def speeds(self) -> np.ndarray:
     """float [N]: the current regime's smoothed relative speeds (ones before any sample)."""
     return np.ones(self.num_devices) if self.regime is None else self.regime.speeds.copy()
 
-  def update(self, times, now: float) -> bool:
+  def update(self, times, now: float, provisional: bool = False) -> bool:
     """Adds one sample: `times` [N] of the same work on each device, at clock time `now`.
+
+    A `provisional` sample (taken in warm-up) sets a regime that the next sample replaces
+    outright, as the first sample of a run does.
 
     Returns True when the sample confirmed a new regime.
     """
@@ -211,8 +215,8 @@ class SpeedTracker:
       raise ValueError(f"speed sample: need {self.num_devices} positive times, got {times}")
     self.samples += 1
     raw = np.log(times.min() / times)
-    if self.regime is None:
-      self.regime = Regime(np.exp(raw), now)
+    if self.regime is None or self.provisional:
+      self.regime, self.provisional = Regime(np.exp(raw), now), provisional
       return True
     level = np.log(self.regime.speeds)
     deviating = np.abs(raw - level) > self.log_threshold

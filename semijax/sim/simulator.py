@@ -205,10 +205,10 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
   speed_sum = np.zeros((c.pipe, c.tensor))
   ideal = 0.0
   clock = 0.0
-  for step in range(steps):
-    flat, links = trace.at(step, clock)
-    speeds = flat.reshape(c.shape)
-    plans = [st.before_step(step) for st in stages]
+
+
+  def step_time(step, plans, speeds, links):
+    """(the step's `stepcost.StepTime`, its seconds, sampled times float [S, T])."""
     widths = {k: np.zeros((s_, c.tensor, l_max)) for k in w.spec.num_units()}
     for i, p in enumerate(plans):
       for k, e in p.executed.items():
@@ -223,12 +223,25 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
     if emulator is not None:
       seconds += emulator.delay_s(step, plans[0].executed)
     position = speeds.min(axis=0)                                     # [S, T]
-    speed_sum += position
     noise = np.exp(rng.normal(0.0, hw.sample_noise, position.shape)) if hw.sample_noise else (
         np.ones(position.shape))
+    return t, seconds, noise / position
+
+  if any(st.sampler is not None and st.script is None for st in stages):
+    # Warm-up's timed trial step (`Balancer._trial`), at the trace's start, off the clock.
+    flat, links = trace.at(0, clock)
+    _, seconds, times = step_time(0, [st.plan(0) for st in stages], flat.reshape(c.shape), links)
+    for i, st in enumerate(stages):
+      st.trial(0, seconds, times[i])
+  for step in range(steps):
+    flat, links = trace.at(step, clock)
+    speeds = flat.reshape(c.shape)
+    plans = [st.before_step(step) for st in stages]
+    t, seconds, times = step_time(step, plans, speeds, links)
+    speed_sum += speeds.min(axis=0)
     sampled = False
     for i, st in enumerate(stages):
-      sampled |= st.after_step(step, seconds, noise[i] / position[i]) is not None
+      sampled |= st.after_step(step, seconds, times[i]) is not None
     move = max(p.move_s for p in plans)
     total = seconds + move + (hw.sample_s if sampled else 0.0)
     step_s[step] = total

@@ -176,16 +176,21 @@ class StageBalancer:
                              "reason": d.reason, **d.setup.describe()})
       if d.moves:
         move_s = self._migrate(d.setup.owned)
+    plan = self.plan(step, move_s)
+    self.stats["steps"] += 1
+    self.stats["resized_steps"] += plan.kind == "resized"
+    return plan
+
+  def plan(self, step: int, move_s: float = 0.0) -> StepPlan:
+    """The plan of 0-based `step` in the current layout and setup, deciding nothing."""
     setup = self.setup(step)
     resize, version = None, 0
     if self.resizer is not None:
       resize, version = self.resizer.resize(self.layout, setup.keep), self.resizer.version
-      self.stats["resized_steps"] += resize is not None
     kind = self.plans.kind(self.layout, setup)
     offload = 0.0
     if kind == "offload":
       offload = self.controller.cost.offload_bytes(setup, self.unit_bytes)
-    self.stats["steps"] += 1
     return StepPlan(self._widths(kind, setup, resize, version), kind, move_s, offload)
 
   def _widths(self, kind: str, setup: Setup, resize, version: int) -> dict:
@@ -236,6 +241,18 @@ class StageBalancer:
       self._new_regime |= sample.new_regime
       self.controller.cost.observe(self.controller.setup, sample.speeds, sample.mean_s)
     return sample
+
+  def trial(self, step: int, step_s: float, times=None) -> None:
+    """What `Balancer.warm_up`'s timed trial step does: a provisional sample of one step in the
+    starting layout (`step_s` seconds, sampled `times` float [T]) before 0-based `step`, the
+    first to run, which then runs on a decision. Not with a script (it has its own steps)."""
+    if self.sampler is None or self.script is not None:
+      return
+    self.source.times = times
+    sample = self.sampler.trial(step, step_s)
+    self._sample = sample
+    self._new_regime |= sample.new_regime
+    self.controller.cost.observe(self.controller.setup, sample.speeds, sample.mean_s)
 
   def counts(self) -> dict:
     return {k: list(u.counts) for k, u in self.layout.kinds().items()}
