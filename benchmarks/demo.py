@@ -4,8 +4,9 @@ One tensor device is emulated `factor` times slower. `gpt_tiny:cpu` is trained t
 the same seed and data:
   even          plain TP: every device owns the same share, the straggler holds everyone up;
   proportional  the oracle: a fixed split proportional to the (known) speeds;
-  semi          SEMI-migration: starts from the even split, measures the speeds while training
-                and decides online (resize at first, then migrate units off the slow device).
+  semi          SEMI-migration: starts from the even split, measures the speeds (a trial step at
+                the end of warm-up, then while training) and decides online (here: migrate units
+                off the slow device, before the first step).
 Even and proportional compute the same model, so their losses agree; semi's losses leave them
 only while it resizes.
 """
