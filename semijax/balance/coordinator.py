@@ -152,17 +152,21 @@ class Balancer:
         logging.info("balance before step %d: %s", step + 1, self.decision.reason)
       if self.decision.moves:
         state = self._migrate(state, self.decision.setup.owned)
-    setup = self.setup(step)
-    resize, version = None, 0
-    if self.resizer is not None:
-      if self.resizer.due(step):
-        self._refresh(step, state)
-      resize, version = self.resizer.resize(self.layout, setup.keep), self.resizer.version
-    plan, executed = self.plans.plan(self.layout, setup, resize, version)
+    if self.resizer is not None and self.resizer.due(step):
+      self._refresh(step, state)
+    plan, executed = self._plan(step)
     if self.emulator is not None:
       self.delay_s = self.emulator.delay_s(step, executed)
     self.stats["single_width_steps"] += all(len(w) == 1 for _, w in plan.widths)
     return state, plan
+
+  def _plan(self, step: int):
+    """(device plan, executed widths) of 0-based `step` in the current layout and setup."""
+    setup = self.setup(step)
+    resize, version = None, 0
+    if self.resizer is not None:
+      resize, version = self.resizer.resize(self.layout, setup.keep), self.resizer.version
+    return self.plans.plan(self.layout, setup, resize, version)
 
   def emulate(self) -> None:
     """Sleeps the emulated slowdown of the step just computed (nothing without emulation)."""
@@ -243,12 +247,7 @@ class Balancer:
     slowdown) and takes a provisional speed sample of it (`SpeedSampler.trial`): 0-based `step`,
     the first to run, then already runs on a decision, so a run that starts on unequal devices
     moves before its first step instead of after it. Off the clock, like the rest of warm-up."""
-    setup = self.setup(step)
-    resize = None
-    if self.resizer is not None:
-      resize = self.resizer.resize(self.layout, setup.keep)
-    plan, executed = self.plans.plan(self.layout, setup, resize,
-                                     0 if self.resizer is None else self.resizer.version)
+    plan, executed = self._plan(step)
     scratch = jax.tree.map(lambda x: x.copy(), state)
     t0 = time.perf_counter()
     _, metrics = self.engine.train_step(scratch, batch, plan)

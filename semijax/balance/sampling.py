@@ -164,14 +164,11 @@ class SpeedSampler:
     step time afresh (warm-up need not be the training's regime: e.g. a competing job may start
     with the training)."""
     self._pending = [step_s]
-    clock_s = self.clock_s
-    sample = self._take(step, provisional=True)
-    self.clock_s = clock_s
-    self.samples -= self.probe is not None
-    return dataclasses.replace(sample, clock_s=clock_s, probe_s=0.0)
+    return self._take(step, provisional=True)
 
   def _take(self, step: int, provisional: bool = False) -> Sample:
-    """Measures, shares and tracks one sample over the pending steps' seconds."""
+    """Measures, shares and tracks one sample over the pending steps' seconds; a `provisional`
+    one (`trial`) is not counted: no probe time, no sample, no clock."""
     t0 = time.perf_counter()
     local = self.probe.measure() if self.probe is not None else {}
     mean_s = float(np.mean(self._pending))
@@ -181,10 +178,11 @@ class SpeedSampler:
       times = speed_lib.tensor_times(self.mesh, every)
     else:
       times = np.asarray(self.hetero.slowdown_at(step), np.float64)
-    probe_s = time.perf_counter() - t0
-    self.probe_s += probe_s
-    self.samples += self.probe is not None
-    self.clock_s += mean_s * len(self._pending)
+    probe_s = 0.0 if provisional else time.perf_counter() - t0
+    if not provisional:
+      self.probe_s += probe_s
+      self.samples += self.probe is not None
+      self.clock_s += mean_s * len(self._pending)
     self._pending = []
     fresh = self.tracker.provisional
     new_regime = self.tracker.update(times, self.clock_s, provisional=provisional)

@@ -206,7 +206,6 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
   ideal = 0.0
   clock = 0.0
 
-
   def step_time(step, plans, speeds, links):
     """(the step's `stepcost.StepTime`, its seconds, sampled times float [S, T])."""
     widths = {k: np.zeros((s_, c.tensor, l_max)) for k in w.spec.num_units()}
