@@ -102,10 +102,11 @@ class Controller:
 
   def target_counts(self, speeds) -> dict:
     """{kind: units per device} for `speeds`: the fastest split on the compiled bucket widths
-    (`layout.bucketed_counts`), at most the capacity each."""
+    (`layout.bucketed_counts`), at most the capacity each, with the cost model's repeated work
+    (a share of all units of each kind, every device at its own speed: water-filling)."""
     return {k: layout_lib.bucketed_counts(
-        self.cost.num_units[k], speeds, [w for w in self.cost.widths[k] if w <= self.capacity[k]])
-            for k in self.cost.num_units}
+        u, speeds, [w for w in self.cost.widths[k] if w <= self.capacity[k]],
+        offset=self.cost.repeat * u) for k, u in self.cost.num_units.items()}
 
   def equalizing_keep(self, owned: dict, speeds) -> tuple | None:
     """Keep ratios that make each slow device about as fast as the slowest fast device: the
@@ -117,7 +118,8 @@ class Controller:
     if not slow.any():
       return None
     exact = Setup(owned, owned, None)
-    target = float(np.max(np.where(slow, 0.0, self.cost.loads(exact) / speeds)))
+    repeat = self.cost.repeat
+    target = float(np.max(np.where(slow, 0.0, (self.cost.loads(exact) + repeat) / speeds)))
     floor = 1.0 - s.resize_budget
     grid = [g / s.keep_grid for g in range(s.keep_grid, 0, -1) if g / s.keep_grid >= floor - 1e-9]
     keep = []
@@ -127,7 +129,7 @@ class Controller:
         k = grid[-1]
         for g in grid:
           one = tuple(g if i == d else 1.0 for i in range(len(speeds)))
-          if self.cost.loads(Setup(owned, owned, one))[d] / speeds[d] <= target + 1e-12:
+          if (self.cost.loads(Setup(owned, owned, one))[d] + repeat) / speeds[d] <= target + 1e-12:
             k = g
             break
       keep.append(k)

@@ -45,7 +45,8 @@ def cost_model(engine, spec, settings, resize_spec, buckets) -> cost_lib.CostMod
   narrow = plan_lib.uniform_widths(buckets.start)
   return cost_lib.CostModel(
       spec.flops_per_unit(), {k: u.widths for k, u in buckets.big.kinds().items()},
-      engine.num_units, fixed_fraction=settings.fixed_fraction, alpha=settings.cost_alpha,
+      engine.num_units, fixed_fraction=settings.fixed_fraction,
+      repeat=settings.repeat_share, alpha=settings.cost_alpha,
       memory=settings.cost_memory, narrow=None if narrow is None else {
           k: w[0] for k, w in narrow.items()},
       resize_mode=resize_spec.mode, fractions=resize_spec.fractions,

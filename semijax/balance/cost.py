@@ -3,7 +3,7 @@
 A *setup* says what every tensor device owns and computes in a step (`Setup`). `CostModel`
 predicts its step time at given relative speeds:
 
-  step(setup) = fixed + per_load * b * max_d(load_d / speed_d)      (compute, bucket-quantized)
+  step(setup) = fixed + per_load * max_d((b * load_d + repeat) / speed_d)   (bucket-quantized)
 
 `load_d` is the share of the model's FLOPs that device d *executes*: its computed units of each
 kind rounded up to the compiled bucket width (that is what `core.tp` runs), weighted by FLOPs per
@@ -42,6 +42,12 @@ MIN_FIT_R2 = 0.5
 # Before the fit: a new step time moves per_load by at least this share of the time, so that a
 # prior `fixed` that is too large cannot make the load look free.
 MIN_LOAD_SHARE = 0.05
+# The fit picks `repeat` on this grid (shares of the model's block work) ...
+REPEAT_GRID = tuple(i / 40 for i in range(41))
+# ... and leaves the prior only where a line through its x leaves this much less unexplained
+# (1 - R^2, and at least 1e-6 less): with all samples at one speed and the slow device critical,
+# every `repeat` fits alike.
+MIN_REPEAT_GAIN = 0.25
 # Bytes per second assumed for the per-step traffic of offload (weights out, gradients back):
 # an order of magnitude of host-memory copies between fake CPU devices and of NVLink-class links.
 OFFLOAD_BYTES_PER_S = 1e9
@@ -88,7 +94,9 @@ class CostModel:
     widths: {kind: compiled bucket widths, ascending}; a device executes the smallest >= its count.
     num_units: {kind: U}.
     fixed_fraction: share of the first measured step that does not scale with load (collectives,
-      embeddings, the optimizer), until measurements say otherwise.
+      host work), until measurements say otherwise.
+    repeat: prior of the work every device repeats at its own speed, in shares of the model's
+      block work (0: none), until measurements say otherwise.
     alpha: weight of a new measurement in `per_load_s` before the fit takes over.
     memory: samples the fit remembers (older ones fade by 1 - 1/memory per sample).
     move_s: seconds of one migration (calibrated by `observe_move`).
@@ -102,13 +110,15 @@ class CostModel:
   """
 
   def __init__(self, unit_flops: dict, widths: dict, num_units: dict, *,
-               fixed_fraction: float = 0.1, alpha: float = 0.3, memory: float = 10.0,
+               fixed_fraction: float = 0.1, repeat: float = 0.0, alpha: float = 0.3, memory: float = 10.0,
                move_s: float = 0.0, bytes_per_s: float = OFFLOAD_BYTES_PER_S,
                narrow: dict | None = None, branch_overhead: float = BRANCH_OVERHEAD,
                resize_mode: str = "units",
                fractions: tuple = resize_lib.DEFAULT_FRACTIONS, gemm_flops: dict | None = None):
     if not 0 <= fixed_fraction < 1:
       raise ValueError(f"balance.fixed_fraction: must be in [0, 1), got {fixed_fraction}")
+    if not 0 <= repeat <= REPEAT_GRID[-1]:
+      raise ValueError(f"balance.repeat_share: must be in [0, {REPEAT_GRID[-1]}], got {repeat}")
     if resize_mode not in resize_lib.MODES:
       raise ValueError(f"resize.mode: {resize_mode!r} is not one of {list(resize_lib.MODES)}")
     self.unit_flops = dict(unit_flops)
@@ -117,6 +127,7 @@ class CostModel:
     self.total = sum(self.unit_flops[k] * u for k, u in self.num_units.items())
     self.fixed_fraction, self.alpha = fixed_fraction, alpha
     self.forget = 1.0 - 1.0 / memory
+    self.repeat = self.repeat_prior = float(repeat)
     self.fixed_s = None
     self.per_load_s = None
     self.move_s = move_s
@@ -126,8 +137,9 @@ class CostModel:
     self.resize_mode, self.fractions = resize_mode, tuple(fractions)
     gemm = self.unit_flops if gemm_flops is None else gemm_flops
     self.gemm_share = {k: (gemm.get(k, 0.0) / f if f else 1.0) for k, f in self.unit_flops.items()}
-    self._sums = np.zeros(5)   # faded sums of 1, x, y, x^2, xy (see observe)
-    self._sums_y2 = 0.0
+    # The remembered steps, newest last: weights [S], work [S, N], speeds [S, N], seconds [S].
+    self._w = self._y = np.zeros(0)
+    self._work = self._speeds = np.zeros((0, 0))
 
   def executed(self, kind: str, count: int) -> int:
     """The bucket width a device with `count` computed units of `kind` executes."""
@@ -188,10 +200,17 @@ class CostModel:
     return any(self.executed(k, c) != self.narrow.get(k)
                for k, counts in setup.owned.items() for c in counts)
 
-  def critical(self, setup: Setup, speeds) -> float:
-    """max_d load_d / speed_d, times 1 + `branch_overhead` for the branched step."""
+  def work(self, setup: Setup) -> np.ndarray:
+    """float [N]: each device's block work per step (`loads`, times 1 + `branch_overhead` for
+    the branched step), without the repeated work."""
     factor = 1 + self.branch_overhead if self.branched(setup) else 1.0
-    return factor * float(np.max(self.loads(setup) / np.asarray(speeds, np.float64)))
+    return factor * self.loads(setup)
+
+  def critical(self, setup: Setup, speeds, repeat: float | None = None) -> float:
+    """max_d (work_d + repeat) / speed_d: the slowest device's work per step, in shares of the
+    model's block work at full speed (`repeat`: default the calibrated one)."""
+    r = self.repeat if repeat is None else repeat
+    return float(np.max((self.work(setup) + r) / np.asarray(speeds, np.float64)))
 
   def offload_bytes(self, setup: Setup, unit_bytes: dict) -> float:
     """Bytes sent per step for offloaded units: their weights out and gradients back."""
@@ -210,35 +229,67 @@ class CostModel:
   def observe(self, setup: Setup, speeds, measured_s: float) -> None:
     """Calibrates from one measured step (without migration time) of `setup` at `speeds`.
 
-    A least-squares line through recent (critical load, seconds) points (older points fade by
-    `forget` per sample) gives `fixed_s` and `per_load_s` once there are `MIN_FIT_SAMPLES` of
-    them, the load has varied (`MIN_LOAD_SPREAD`) and the line explains the times
-    (`MIN_FIT_R2`); otherwise `fixed_s` stays (at first `fixed_fraction` of the first step) and
-    `per_load_s` follows the measurements.
+    For every `repeat` on `REPEAT_GRID`, a least-squares line through the recent
+    (critical load, seconds) points (older points fade by `forget` per sample) gives `fixed_s`
+    and `per_load_s`. Once there are `MIN_FIT_SAMPLES` points, the load has varied
+    (`MIN_LOAD_SPREAD`) and a line explains the times (`MIN_FIT_R2`), the fit takes over: with
+    the prior `repeat`, or with the grid's best where its unexplained variance is
+    `MIN_REPEAT_GAIN` below the prior's. Otherwise `fixed_s` stays (at first `fixed_fraction` of the first step)
+    and `per_load_s` follows the measurements.
     """
-    x = self.critical(setup, speeds)
     y = measured_s
+    x = self.critical(setup, speeds)
     if not (y > 0 and math.isfinite(y)) or x <= 0:
       return
-    self._sums = self._sums * self.forget + np.array([1.0, x, y, x * x, x * y])
-    self._sums_y2 = self._sums_y2 * self.forget + y * y
-    n, sx, sy, sxx, sxy = self._sums
-    mx, my = sx / n, sy / n
-    var = sxx / n - mx * mx
-    vary = self._sums_y2 / n - my * my
-    if n >= MIN_FIT_SAMPLES and var > (MIN_LOAD_SPREAD * mx) ** 2 and vary > 0:
-      cov = sxy / n - mx * my
-      b = cov / var
-      a = my - b * mx
-      if b > 0 and 0 <= a < my and cov * cov / (var * vary) >= MIN_FIT_R2:
-        self.fixed_s, self.per_load_s = a, b
-        return
+    work, speeds = self.work(setup), np.asarray(speeds, np.float64)
+    keep = self._w * self.forget > 1e-3
+    if self._work.shape[1:] != work.shape:
+      keep[:] = False
+      self._work = self._speeds = np.zeros((0, len(work)))
+    self._w = np.append(self._w[keep] * self.forget, 1.0)
+    self._work = np.vstack([self._work[keep], work[None]])
+    self._speeds = np.vstack([self._speeds[keep], speeds[None]])
+    self._y = np.append(self._y[keep], y)
+    grid = np.array(sorted({self.repeat_prior, *REPEAT_GRID}))
+    fits = {float(r): f for r, f in zip(grid, self._fits(grid)) if f is not None}
+    if fits:
+      best = min(fits, key=lambda r: fits[r][2])
+      prior = fits.get(self.repeat_prior)
+      gain = math.inf if prior is None else prior[2] - fits[best][2]
+      r = best if gain > max(MIN_REPEAT_GAIN * prior[2] if prior else 0.0, 1e-6) else (
+          self.repeat_prior)
+      self.repeat, (self.fixed_s, self.per_load_s, _) = r, fits[r]
+      return
     if self.fixed_s is None:
       self.fixed_s = self.fixed_fraction * y
       self.per_load_s = (y - self.fixed_s) / x
       return
     b = max(y - self.fixed_s, MIN_LOAD_SHARE * y) / x
     self.per_load_s = (1 - self.alpha) * self.per_load_s + self.alpha * b
+
+  def _fits(self, repeats: np.ndarray) -> list:
+    """For each of `repeats` [R]: (fixed_s, per_load_s, 1 - R^2) of the line through the
+    remembered points with that `repeat`, or None where it is not trusted (see `observe`)."""
+    w, y = self._w, self._y
+    n = w.sum()
+    if n < MIN_FIT_SAMPLES:
+      return [None] * len(repeats)
+    # x [R, S]: each remembered step's critical load with each repeat.
+    x = np.max((self._work[None] + repeats[:, None, None]) / self._speeds[None], axis=-1)
+    mx, my = x @ w / n, (w * y).sum() / n
+    var, vary = ((x - mx[:, None]) ** 2) @ w / n, (w * (y - my) ** 2).sum() / n
+    cov = (x - mx[:, None]) @ (w * (y - my)) / n
+    out = []
+    for v, c, m in zip(var, cov, mx):
+      if not (v > (MIN_LOAD_SPREAD * m) ** 2 and vary > 0):
+        out.append(None)
+        continue
+      b = c / v
+      a = my - b * m
+      r2 = c * c / (v * vary)
+      out.append((float(a), float(b), float(1.0 - r2))
+                 if b > 0 and 0 <= a < my and r2 >= MIN_FIT_R2 else None)
+    return out
 
   def observe_move(self, seconds: float) -> None:
     self.move_s = (seconds if self.move_s <= 0

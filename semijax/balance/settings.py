@@ -47,6 +47,8 @@ class BalanceSettings:
     keep_grid: semi picks keep ratios on a grid of 1/keep_grid.
   The cost model:
     fixed_fraction: prior share of a step that no split changes (until the fit knows better).
+    repeat_share: prior of the work every device repeats at its own speed, in shares of the
+      model's block work (`cost.CostModel`'s `repeat`; until the fit knows better).
     cost_alpha: weight of a new measurement in the per-load estimate, before the fit takes over.
     cost_memory: how many recent samples the cost fit remembers (older ones fade by
       1 - 1/cost_memory per sample).
@@ -73,6 +75,7 @@ class BalanceSettings:
   skip_budget: float = 0.02
   keep_grid: int = 8
   fixed_fraction: float = 0.1
+  repeat_share: float = 0.0
   cost_alpha: float = 0.3
   cost_memory: float = 10.0
 
@@ -88,6 +91,7 @@ class BalanceSettings:
         ("resize_budget", 0, 1, False), ("resize_penalty", 0, 1, False),
         ("skip_budget", 0, 1, False),
         ("fixed_fraction", 0, 1, False), ("resize_keep", 0, 1, True),
+        ("repeat_share", 0, 1, False),
         ("speed_alpha", 0, 1, True), ("cost_alpha", 0, 1, True),
         ("change_threshold", 0, 1, True)):
       v = getattr(self, name)

@@ -359,3 +359,64 @@ def test_semi_resizes_a_lasting_slowdown_only_while_migrating_does_not_pay():
   c = controller(skip_budget=0.9, resize_horizon_steps=0, patience=1)
   c.capacity = {"mlp": 4, "heads": 1}
   assert set(c.policy.candidates(c, SLOW, 100.0)) == {"resize"}
+
+
+def test_bucketed_counts_balance_time_with_repeated_work():
+  # 8 units, speeds (1, 0.6), repeated work of 4 units on each device at its own speed: (6, 2)
+  # finishes both at (6 + 4) / 1 = (2 + 4) / 0.6 = 10; the proportional split (5, 3) would take
+  # (3 + 4) / 0.6 = 11.7 on the slow device.
+  widths = range(1, 9)
+  assert layout_lib.bucketed_counts(8, (1.0, 0.6), widths) == (5, 3)
+  assert layout_lib.bucketed_counts(8, (1.0, 0.6), widths, offset=4) == (6, 2)
+  # Speeds (1, 0.5): T = 11 holds 7 + 1 units ((7 + 4) / 1 = 11, (1 + 4) / 0.5 = 10).
+  assert layout_lib.bucketed_counts(8, (1.0, 0.5), widths, offset=4) == (7, 1)
+  with pytest.raises(layout_lib.LayoutError, match="offset"):
+    layout_lib.bucketed_counts(8, (1.0, 0.5), widths, offset=-1)
+
+
+def _repeat_model(repeat=0.0):
+  return cost_lib.CostModel({"mlp": 1.0}, {"mlp": tuple(range(1, 9))}, {"mlp": 8},
+                            fixed_fraction=0.1, repeat=repeat)
+
+
+def _truth(setup, speeds):
+  """fixed 0.1 s, per_load 1.0 s, repeated work 0.5 of the block work on every device."""
+  return 0.1 + max((load + 0.5) / s for load, s in zip(
+      _repeat_model().loads(setup), speeds))
+
+
+def test_cost_model_fits_repeated_work_from_two_speeds():
+  cost = _repeat_model()
+  points = [((4, 4), EVEN), ((4, 4), SLOW), ((6, 2), SLOW), ((5, 3), SLOW), ((6, 2), EVEN)]
+  for owned, speeds in points * 2:
+    setup = ctl.Setup.of({"mlp": owned})
+    cost.observe(setup, speeds, _truth(setup, speeds))
+  assert cost.repeat == pytest.approx(0.5)
+  assert cost.fixed_s == pytest.approx(0.1) and cost.per_load_s == pytest.approx(1.0)
+  # (7, 1) at (1, 0.5): max((0.875 + 0.5) / 1, (0.125 + 0.5) / 0.5) = 1.375.
+  assert cost.compute_s(ctl.Setup.of({"mlp": (7, 1)}), SLOW) == pytest.approx(0.1 + 1.375)
+
+
+def test_cost_model_keeps_the_repeat_prior_when_samples_cannot_tell():
+  # Every sample at one speed with the slow device critical: any repeat fits a line through them
+  # exactly (it only moves the intercept), so the prior stays.
+  cost = _repeat_model(repeat=0.25)
+  for owned in [(4, 4), (5, 3), (3, 5), (2, 6)] * 2:
+    setup = ctl.Setup.of({"mlp": owned})
+    cost.observe(setup, SLOW, _truth(setup, SLOW))
+  assert cost.repeat == 0.25
+  # The line still predicts the slow-critical splits: (3, 5) at (1, 0.5) -> 0.1 + 2.25.
+  three_five = ctl.Setup.of({"mlp": (3, 5)})
+  assert cost.compute_s(three_five, SLOW) == pytest.approx(_truth(three_five, SLOW))
+  with pytest.raises(ValueError, match="repeat_share"):
+    _repeat_model(repeat=1.5)
+
+
+def test_target_counts_water_fill_with_the_fitted_repeat():
+  settings = settings_lib.BalanceSettings(policy="semi").validate(policies.REGISTRY)
+  cost = _repeat_model()
+  c = ctl.Controller(policies.make(settings), settings, cost, ctl.Setup.of({"mlp": (4, 4)}),
+                     {"mlp": 8})
+  assert c.target_counts((1.0, 0.6))["mlp"] == (5, 3)     # repeat 0: proportional
+  cost.repeat = 0.5                                       # 4 of 8 units on every device
+  assert c.target_counts((1.0, 0.6))["mlp"] == (6, 2)     # time-balanced (see above)
