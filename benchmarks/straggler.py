@@ -4,9 +4,13 @@ Real contention (`run_real_worker`, one of 2 processes started by `launch`): two
 CPU device each (`tensor` = 2), pinned to their own cores, train gpt_tiny; a competing CPU-bound
 process (`contention.Injector`) shares the core of process 1: never (`none`), the whole time
 (`steady`) or on/off (`bursts`). Process 0 starts the competitor right after each run's warm-up
-and stops it after the run. Before the runs, the speed probe measures both devices with and
-without the competitor; the `static` oracle of a scenario is the split proportional to those
-speeds (for bursts, to the time-weighted mean of the two).
+and stops it after the run. Before the runs, `calibrate` measures the devices' speeds while they
+train (with and without the competitor) and the work every device repeats at its own speed
+(`repeat`: of the time-balanced splits for a few values, the one that ran fastest under steady
+contention). The `static` oracle of a scenario is the time-balanced split at its speeds with
+that work (`split_counts`; for bursts, at the time-weighted mean of the two speeds), and the
+controlled policies start from the same `repeat` (their cost model's prior, which their own fit
+may change).
 
 Emulated slowdowns (`run_emulated`, one process, 8 fake devices): the authors' static profile
 (8, 6, 4, 2, 1, 1, 1, 1) and their rotating straggler (8 on one device, moving every few steps).
@@ -55,6 +59,9 @@ ROTATING = (8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 SAME_SPEED = 0.9     # oracle speeds all at least this (relative): the cores are equal
 ROUNDS = 3           # runs of every cell, in interleaved rounds
 EVALS_PER_RUN = 8    # validation points of every run (the time to reach a loss)
+CALIBRATION_REPEATS = (0.0, 0.2, 0.4, 0.6)   # repeated work tried by the calibration
+CALIBRATION_STEPS = 30                       # steps of each calibration run
+CALIBRATION_PASSES = 2                       # passes over them, order reversed every other
 # A run has reached a validation loss within this relative tolerance: runs of exactly the same
 # model on different layouts differ by float rounding (about 1e-6), not by more.
 LOSS_TOL = 1e-4
@@ -74,18 +81,20 @@ def _bench_config(arg: str, steps: int, log_every: int, num_widths: int):
 
 
 def real_steps(quick: bool, scenario: str) -> int:
-  """Steps of a real-contention run: 40 with --quick; else 300, and 150 without contention
-  (where only the cost of measuring is at stake), which keeps the full benchmark within an hour."""
-  return 40 if quick else (150 if scenario == "none" else 300)
+  """Steps of a real-contention run: 40 with --quick; else 300, and 100 without contention
+  (where only the cost of measuring is at stake), which keeps the full benchmark near an hour."""
+  return 40 if quick else (100 if scenario == "none" else 300)
 
 
 def real_config(quick: bool, scenario: str = "steady"):
   """gpt_tiny on 2 tensor devices (one per process), sized so compute dominates communication."""
-  c = _bench_config("cpu,tensor=2", real_steps(quick, scenario), log_every=20, num_widths=6)
+  c = _bench_config("cpu,tensor=2", real_steps(quick, scenario), log_every=20, num_widths=7)
   c.model.d_model, c.model.d_ff, c.model.num_layers = 256, 1024, 2
   c.batch_size = 16       # smaller batches leave the split less to win (collective latency)
   c.balance.probe_every = 2   # react within a few steps: the quick bursts last 4 s
-  c.balance.capacity_factor = 1.5   # up to 768 of 1024 units: room for a 3:1 split, less padding
+  # Up to 896 of 1024 units, in 7 widths of 128: room for the time-balanced split under steady
+  # contention (about 900 / 120 at speed 0.38; a proportional split would be 740 / 280).
+  c.balance.capacity_factor = 1.75
   return c
 
 
@@ -100,21 +109,23 @@ def emulated_config(quick: bool, scenario: str):
   return c
 
 
-def policy_config(base, policy: str, oracle_speeds, seed: int | None = None):
-  """`base` for one policy (and `seed`, if given); `static` gets the split proportional to
-  `oracle_speeds` (the oracle; even when every speed is within `SAME_SPEED` of the fastest, as
-  for two idle cores measured with noise), which compiles exactly its own widths."""
+def policy_config(base, policy: str, oracle_speeds, seed: int | None = None,
+                  repeat: float = 0.0):
+  """`base` for one policy (and `seed`, if given), with `repeat` as the cost model's prior of
+  the work every device repeats at its own speed; `static` gets the time-balanced split at
+  `oracle_speeds` with that work (`split_counts`: the oracle; even when every speed is within
+  `SAME_SPEED` of the fastest, as for two idle cores measured with noise), which compiles
+  exactly its own widths."""
   c = copy.deepcopy(base)
   c.balance.policy = policy
+  c.balance.repeat_share = repeat
   if seed is not None:
     c.seed = seed
   if oracle_speeds is not None and min(oracle_speeds) >= SAME_SPEED:
     oracle_speeds = [1.0] * len(oracle_speeds)     # equal cores measured with noise: even split
-  if policy == "static":     # in granules of 1/64 of the units: odd GEMM widths run slower on CPU
+  if policy == "static":
     for kind, units in (("mlp", c.model.d_ff), ("heads", c.model.num_heads)):
-      g = max(1, units // 64) if units % max(1, units // 64) == 0 else 1
-      c.layout[kind] = tuple(g * n for n in layout_lib.proportional_counts(units // g,
-                                                                           oracle_speeds))
+      c.layout[kind] = split_counts(units, oracle_speeds, repeat)
   return c
 
 
@@ -197,6 +208,106 @@ def measure_speeds(probe, core: int, pattern: str, seconds: float) -> tuple[np.n
   return np.array([every[i] for i in ids]), ids
 
 
+def _contended_run(config, workdir: str, cache: dict, core: int, scenario: str, on_s: float,
+                   off_s: float, on_start=None):
+  """Trains `config` in `workdir` with the competitor of `scenario` on `core` from the end of
+  warm-up to the end of the run (started by process 0; `on_start`, if given, is called there
+  too); returns (summary, injector or None)."""
+  injector = None
+  if jax.process_index() == 0 and scenario != "none":
+    injector = contention.Injector(core, "steady" if scenario == "steady" else "bursts",
+                                   on_s=on_s, off_s=off_s)
+
+  def start():
+    if injector is not None:
+      injector.start()
+    if on_start is not None:
+      on_start()
+
+  try:
+    summary = train.train_and_evaluate(config, workdir, engine_cache=cache, after_warmup=start)
+  finally:
+    if injector is not None:
+      injector.stop()
+  return summary, injector
+
+
+def split_counts(units: int, speeds, repeat: float) -> tuple[int, ...]:
+  """The time-balanced split of `units` at `speeds` with `repeat` (shares of the block work
+  every device repeats at its own speed; `layout.bucketed_counts`), in granules of 1/64 of the
+  units (odd GEMM widths run slower on CPU)."""
+  g = max(1, units // 64) if units % max(1, units // 64) == 0 else 1
+  return tuple(g * n for n in layout_lib.bucketed_counts(
+      units // g, speeds, range(1, units // g + 1), offset=repeat * units / g))
+
+
+def _timed_split(out: str, base, counts: dict, name: str, cache: dict, core: int,
+                 pattern: str, sched) -> tuple[float, np.ndarray | None]:
+  """(median step seconds, relative device times while it trained, or None without scheduler
+  stats) of a short `static` run of `counts` {kind: (fast, slow)} with the competitor
+  `pattern`."""
+  c = copy.deepcopy(base)
+  c.steps, c.eval_every, c.balance.policy = CALIBRATION_STEPS, CALIBRATION_STEPS, "static"
+  for kind, split in counts.items():
+    c.layout[kind] = tuple(split)
+  workdir = os.path.join(out, "runs", "calibration", name)
+  if jax.process_index() == 0 and os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  summary, _ = _contended_run(c, workdir, cache, core, pattern, 1.0, 1.0,
+                              on_start=None if sched is None else sched.warm_up)
+  relative = None
+  if sched is not None:
+    every, _ = speed.gather_times(sched.measure())
+    relative = np.array([every[i] for i in sorted(every)])
+  return float(np.median(summary["step_times_s"][CALIBRATION_STEPS // 5:])), relative
+
+
+def calibrate(out: str, base, probe_times: dict, cache: dict, core: int) -> dict:
+  """Measures this machine before the rounds: the devices' speeds while they train, and how
+  much work every device repeats at its own speed (`repeat`, in shares of the block work).
+
+  First the even split, without and with the steady competitor, for the speeds (the
+  scheduler's share while training, as the controlled policies measure it in a run; else
+  `probe_times`, the probe's). Then, under steady contention, the time-balanced split
+  (`split_counts`) for every `repeat` of `CALIBRATION_REPEATS`, in `CALIBRATION_PASSES` passes
+  (order reversed every other pass): the `repeat` whose split ran fastest (median over the
+  passes) is the machine's. On CPU most repeated work is dispatch and small ops, so FLOPs do
+  not tell it; a split that is too skewed or not skewed enough both run slower, so the fastest
+  one does. The oracle runs that split, the controlled policies start from that `repeat`.
+
+  Returns:
+    {"repeat", "times": {"none" | "steady": relative device times [N]},
+     "candidates": {repeat: {"counts", "seconds": [...]}}}.
+  """
+  units = config_lib.validate(base, jax.device_count(), jax.process_count()).model.num_units()
+  even = {k: layout_lib.even_counts(u, 2) for k, u in units.items()}
+  sched = speed.SchedShare() if speed.SchedShare.available() else None
+  times = {}
+  for pattern in ("none", "steady"):
+    seconds, relative = _timed_split(out, base, even, f"even_{pattern}", cache, core, pattern,
+                                     sched)
+    times[pattern] = relative if relative is not None else np.asarray(probe_times[pattern])
+    print(f"[bench] calibration: even split, {pattern}: {seconds * 1e3:.1f} ms/step, speeds "
+          f"{np.round(times[pattern].min() / times[pattern], 3).tolist()}", flush=True)
+  speeds = times["steady"].min() / times["steady"]
+  candidates = {r: {"counts": {k: split_counts(u, speeds, r) for k, u in units.items()},
+                    "seconds": []} for r in CALIBRATION_REPEATS}
+  for p in range(CALIBRATION_PASSES):
+    for r in CALIBRATION_REPEATS[::1 if p % 2 == 0 else -1]:
+      cand = candidates[r]
+      seconds, _ = _timed_split(out, base, cand["counts"], f"{p}_repeat{r}", cache, core,
+                                "steady", sched)
+      cand["seconds"].append(round(seconds, 5))
+      print(f"[bench] calibration: repeat {r:.2f} split {cand['counts']}: "
+            f"{seconds * 1e3:.1f} ms/step", flush=True)
+  repeat = min(CALIBRATION_REPEATS, key=lambda r: float(np.median(candidates[r]["seconds"])))
+  print(f"[bench] repeated work: {repeat:.2f} of the block work per device "
+        f"(the fastest time-balanced split under steady contention)", flush=True)
+  return {"repeat": repeat, "times": {k: v.tolist() for k, v in times.items()},
+          "candidates": {str(r): {"counts": {k: list(v) for k, v in c["counts"].items()},
+                                  "seconds": c["seconds"]} for r, c in candidates.items()}}
+
+
 def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, off_s: float,
                     rounds: int = ROUNDS, core: int = 1) -> None:
   """One process of the real-contention benchmark (see module doc); process 0 writes
@@ -209,34 +320,28 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
   probe.warm_up()
   t_off, ids = measure_speeds(probe, core, "none", 2.0)
   t_on, _ = measure_speeds(probe, core, "steady", 3.0)
+  cache: dict = {}
+  fit = calibrate(out, base, {"none": t_off, "steady": t_on}, cache, core)
+  t_off, t_on = np.asarray(fit["times"]["none"]), np.asarray(fit["times"]["steady"])
   times = {"none": t_off, "steady": t_on, "bursts": (on_s * t_on + off_s * t_off) / (on_s + off_s)}
   speeds = {k: v.min() / v for k, v in times.items()}
-  cache: dict = {}
   runs = {s: {p: [] for p in policies} for s in scenarios}
   raw = {"mode": "real", "quick": quick, "rounds": rounds, "probe_device_ids": ids,
+         "cost_fit": fit,
          "speeds": {k: v.tolist() for k, v in speeds.items()},
-         "probe_times_s": {k: v.tolist() for k, v in times.items()},
+         "times": {k: v.tolist() for k, v in times.items()},
          "bursts": {"on_s": on_s, "off_s": off_s}, "config": json.loads(base.to_json()),
          "orders": round_orders(policies, rounds), "runs": runs}
   for r, order in enumerate(raw["orders"]):
     for scenario in scenarios:
       scenario_base = real_config(quick, scenario)
       for position, policy in enumerate(order):
-        config = policy_config(scenario_base, policy, speeds[scenario], seed=base.seed + r)
+        config = policy_config(scenario_base, policy, speeds[scenario], seed=base.seed + r,
+                               repeat=fit["repeat"])
         workdir = os.path.join(out, "runs", scenario, policy, f"round{r}")
         if jax.process_index() == 0 and os.path.exists(workdir):
           shutil.rmtree(workdir)
-        injector = None
-        if jax.process_index() == 0 and scenario != "none":
-          injector = contention.Injector(core, "steady" if scenario == "steady" else "bursts",
-                                         on_s=on_s, off_s=off_s)
-        try:
-          summary = train.train_and_evaluate(
-              config, workdir, engine_cache=cache,
-              after_warmup=None if injector is None else injector.start)
-        finally:
-          if injector is not None:
-            injector.stop()
+        summary, injector = _contended_run(config, workdir, cache, core, scenario, on_s, off_s)
         extra = {"round": r, "position": position, "seed": config.seed,
                  "contention": None if injector is None else injector.to_json()}
         record = _run_record(summary, workdir, extra)

@@ -133,3 +133,21 @@ def test_markdown_and_target_lines():
   assert ("- steady: semi mean val loss vs even (mean_val_loss_vs_baseline) = +0.33% "
           "(target <= +0.5%): met") in lines
   assert not any(line.startswith("- bursts") for line in lines)    # cells not run: no line
+
+
+def test_the_oracle_balances_time_with_the_repeated_work():
+  # 1024 MLP units in granules of 16 at speeds (1, 0.38): without repeated work the split is
+  # proportional (64 granules: 47 / 17 finishes at max(47, 44.7), 46 / 18 at max(46, 47.4));
+  # with 0.35 of the block work repeated on each device (22.4 granules),
+  # (x + 22.4) / 1 = (64 - x + 22.4) / 0.38 gives x = 56.4: granules 57 / 7 (times 79.4 and
+  # 77.4; 56 / 8 would take 80): 912 / 112.
+  assert sb.split_counts(1024, (1.0, 0.38), 0.0) == (752, 272)
+  assert sb.split_counts(1024, (1.0, 0.38), 0.35) == (912, 112)
+  base = sb.real_config(quick=True)
+  oracle = sb.policy_config(base, "static", (1.0, 0.38), seed=3, repeat=0.35)
+  assert tuple(oracle.layout.mlp) == (912, 112) and oracle.seed == 3
+  semi = sb.policy_config(base, "semi", (1.0, 0.38), repeat=0.35)
+  assert semi.balance.repeat_share == 0.35 and semi.balance.policy == "semi"
+  # Two idle cores measured with noise: the oracle is the even split.
+  assert tuple(sb.policy_config(base, "static", (1.0, 0.95), repeat=0.35).layout.mlp) == (
+      512, 512)
