@@ -110,7 +110,8 @@ class CostModel:
   """
 
   def __init__(self, unit_flops: dict, widths: dict, num_units: dict, *,
-               fixed_fraction: float = 0.1, repeat: float = 0.0, alpha: float = 0.3, memory: float = 10.0,
+               fixed_fraction: float = 0.1, repeat: float = 0.0, alpha: float = 0.3,
+               memory: float = 10.0,
                move_s: float = 0.0, bytes_per_s: float = OFFLOAD_BYTES_PER_S,
                narrow: dict | None = None, branch_overhead: float = BRANCH_OVERHEAD,
                resize_mode: str = "units",
@@ -234,8 +235,8 @@ class CostModel:
     and `per_load_s`. Once there are `MIN_FIT_SAMPLES` points, the load has varied
     (`MIN_LOAD_SPREAD`) and a line explains the times (`MIN_FIT_R2`), the fit takes over: with
     the prior `repeat`, or with the grid's best where its unexplained variance is
-    `MIN_REPEAT_GAIN` below the prior's. Otherwise `fixed_s` stays (at first `fixed_fraction` of the first step)
-    and `per_load_s` follows the measurements.
+    `MIN_REPEAT_GAIN` below the prior's. Otherwise `fixed_s` stays (at first `fixed_fraction`
+    of the first step) and `per_load_s` follows the measurements.
     """
     y = measured_s
     x = self.critical(setup, speeds)
