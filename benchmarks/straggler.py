@@ -243,9 +243,9 @@ def split_counts(units: int, speeds, repeat: float) -> tuple[int, ...]:
 
 def _timed_split(out: str, base, counts: dict, name: str, cache: dict, core: int,
                  pattern: str, sched) -> tuple[float, np.ndarray | None]:
-  """(median step seconds, relative device times while it trained, or None without scheduler
-  stats) of a short `static` run of `counts` {kind: (fast, slow)} with the competitor
-  `pattern`."""
+  """(median step seconds, the most of any process; relative device times while it trained, or
+  None without scheduler stats) of a short `static` run of `counts` {kind: (fast, slow)} with
+  the competitor `pattern`, identical on every process."""
   c = copy.deepcopy(base)
   c.steps, c.eval_every, c.balance.policy = CALIBRATION_STEPS, CALIBRATION_STEPS, "static"
   for kind, split in counts.items():
@@ -255,11 +255,12 @@ def _timed_split(out: str, base, counts: dict, name: str, cache: dict, core: int
     shutil.rmtree(workdir)
   summary, _ = _contended_run(c, workdir, cache, core, pattern, 1.0, 1.0,
                               on_start=None if sched is None else sched.warm_up)
-  relative = None
-  if sched is not None:
-    every, _ = speed.gather_times(sched.measure())
-    relative = np.array([every[i] for i in sorted(every)])
-  return float(np.median(summary["step_times_s"][CALIBRATION_STEPS // 5:])), relative
+  # Every process times its own steps: share the slowest process's median (and the scheduler's
+  # shares), so that every process picks the same split from identical numbers.
+  seconds = float(np.median(summary["step_times_s"][CALIBRATION_STEPS // 5:]))
+  every, seconds = speed.gather_times({} if sched is None else sched.measure(), extra=seconds)
+  relative = None if sched is None else np.array([every[i] for i in sorted(every)])
+  return seconds, relative
 
 
 def calibrate(out: str, base, probe_times: dict, cache: dict, core: int) -> dict:
