@@ -207,11 +207,13 @@ class CostModel:
     factor = 1 + self.branch_overhead if self.branched(setup) else 1.0
     return factor * self.loads(setup)
 
-  def critical(self, setup: Setup, speeds, repeat: float | None = None) -> float:
+  def critical(self, setup: Setup, speeds) -> float:
     """max_d (work_d + repeat) / speed_d: the slowest device's work per step, in shares of the
-    model's block work at full speed (`repeat`: default the calibrated one)."""
-    r = self.repeat if repeat is None else repeat
-    return float(np.max((self.work(setup) + r) / np.asarray(speeds, np.float64)))
+    model's block work at full speed, with the calibrated `repeat`."""
+    return self._critical(self.work(setup), np.asarray(speeds, np.float64))
+
+  def _critical(self, work: np.ndarray, speeds: np.ndarray) -> float:
+    return float(np.max((work + self.repeat) / speeds))
 
   def offload_bytes(self, setup: Setup, unit_bytes: dict) -> float:
     """Bytes sent per step for offloaded units: their weights out and gradients back."""
@@ -239,10 +241,10 @@ class CostModel:
     of the first step) and `per_load_s` follows the measurements.
     """
     y = measured_s
-    x = self.critical(setup, speeds)
+    work, speeds = self.work(setup), np.asarray(speeds, np.float64)
+    x = self._critical(work, speeds)
     if not (y > 0 and math.isfinite(y)) or x <= 0:
       return
-    work, speeds = self.work(setup), np.asarray(speeds, np.float64)
     keep = self._w * self.forget > 1e-3
     if self._work.shape[1:] != work.shape:
       keep[:] = False
