@@ -442,7 +442,7 @@ class Migrator:
     kind's axis, or over (pipe, tensor) for per-stage arrays."""
     def put(kind, x):
       spec = P(mesh_lib.PIPE, mesh_lib.TENSOR) if x.ndim == 3 else P(AXIS_OF[kind])
-      return jax.device_put(x, NamedSharding(self.mesh, spec))
+      return mesh_lib.put(x, self.mesh, spec)
     return MovePlan(*({k: put(k, getattr(m, f)) for k, m in moves.kinds.items()
                        if kinds is None or k in kinds} for f in ("send", "keep", "place")))
 

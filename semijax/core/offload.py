@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from semijax.core import kernels
 from semijax.core import layout as layout_lib
@@ -167,8 +167,7 @@ def make_plan(layout: layout_lib.UnitLayout, offloads: dict, mesh: jax.sharding.
     count[h, i] = len(slots)
   arrays = (keep, send, count)
   if mesh is not None:
-    shard = NamedSharding(mesh, P(TENSOR))
-    arrays = tuple(jax.device_put(a, shard) for a in arrays)
+    arrays = tuple(mesh_lib.put(a, mesh, P(TENSOR)) for a in arrays)
   return OffloadPlan(*arrays, rounds=perms, chunk=k)
 
 

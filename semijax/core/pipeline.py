@@ -285,7 +285,7 @@ class PipelineEngine:
     table = np.full((self.data_size, longest, self.stages, 2), -1, np.int32)
     for d, t in enumerate(tables):
       table[d, :len(t)] = t
-    put = lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec))
+    put = lambda x, spec: mesh_lib.put(x, self.mesh, spec)
     active = {k: put(np.stack([np.asarray(u.kinds()[k].active, np.int32) for u in layout.units]),
                      P(PIPE, TENSOR)) for k in self.num_units}
     return PipePlan(active, put(np.asarray(layout.stage_layers, np.int32), P(PIPE)),

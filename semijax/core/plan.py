@@ -14,7 +14,7 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
@@ -95,8 +95,7 @@ def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, resize=None
     raise ValueError("offload: cannot be combined with resize (a resized device's kept units "
                      "are a permutation, offload sends its last active slots); pass one of them")
   kind_widths = _widths(layout, widths)
-  shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
-  put = lambda x: jax.device_put(x, shard)
+  put = lambda x: mesh_lib.put(x, mesh, P(mesh_lib.TENSOR))
   active = {k: put(np.asarray(u.active, np.int32)) for k, u in layout.kinds().items()}
   if resize is not None:
     resize = jax.tree.map(put, resize)
@@ -162,8 +161,7 @@ def branch_plans(plan: Plan, mesh: jax.sharding.Mesh) -> list[Plan]:
   Their results are meaningless (actives need not sum to the units): run them on a throwaway
   state. Covers the exact branches at every width and, for a units-mode resize, the resized ones.
   """
-  shard = NamedSharding(mesh, P(mesh_lib.TENSOR))
-  put = lambda x: jax.device_put(x, shard)
+  put = lambda x: mesh_lib.put(x, mesh, P(mesh_lib.TENSOR))
   n = len(next(iter(plan.active.values())))
   widths = dict(plan.widths)
   full = lambda w: put(np.full(n, w, np.int32))
