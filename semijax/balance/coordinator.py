@@ -110,7 +110,7 @@ class Balancer:
       priority = priority_lib.Priority(
           resize_spec, num_layers=spec.num_layers, d_model=spec.d_model,
           num_units=engine.num_units, unit_sizes=engine.unit_sizes,
-          num_devices=layout.num_devices, seed=seed)
+          num_devices=layout.num_devices, seed=seed, compiled=engine.helper_programs)
       resizer = priority_lib.Resizer(priority, resize_spec.refresh_every or epoch_steps)
     controller = sampler = log = None
     if policy.controlled:
@@ -218,7 +218,8 @@ class Balancer:
                       "sample_s": round(sample.probe_s, 6), "clock_s": round(sample.clock_s, 3),
                       "cost": {"fixed_s": round(cost.fixed_s, 5),
                                "per_load_s": round(cost.per_load_s, 5),
-                               "move_s": round(cost.move_s, 5)}}, flush=d.changed)
+                               "move_s": round(cost.move_s, 5),
+                               "repeat": round(cost.repeat, 4)}}, flush=d.changed)
     return out
 
   # --- warm-up, checkpoints and summary ---------------------------------------------------------

@@ -94,16 +94,19 @@ class Priority:
     num_layers, d_model: model sizes; num_units: {kind: U}; unit_sizes: {kind: entries per unit}.
     num_devices: N, devices on the tensor axis.
     seed: for the random policy.
+    compiled: where the compiled score reductions are kept (e.g. the engine's
+      `helper_programs`, shared by runs that reuse it); default a dict of this priority's own.
   """
 
   def __init__(self, spec, *, num_layers: int, d_model: int,
-               num_units: dict, unit_sizes: dict, num_devices: int, seed: int = 0):
+               num_units: dict, unit_sizes: dict, num_devices: int, seed: int = 0,
+               compiled: dict | None = None):
     self.spec, self.num_layers, self.d_model = spec, num_layers, d_model
     self.num_units, self.unit_sizes, self.num_devices, self.seed = (
         dict(num_units), dict(unit_sizes), num_devices, seed)
     self.refreshes = 0
     self.snapshot = None       # padded device params of the last refresh (weight_delta, window)
-    self._compiled: dict = {}
+    self._compiled = {} if compiled is None else compiled
     self.scores = {k: self._initial((num_layers, u), 0) for k, u in self.num_units.items()}
     self.feat_scores = {k: self._initial((num_layers, num_devices, d_model), 1)
                         for k in self.num_units}
@@ -155,7 +158,8 @@ class Priority:
 
   def _scores_fn(self, axes, contraction: bool, params, reference):
     """The compiled `slot_l1` for these shapes (one per bucket, with and without a snapshot)."""
-    key = (id(axes), contraction, reference is None,
+    key = ("priority_scores", id(axes), contraction, reference is None, self.num_layers,
+           self.num_devices, tuple(sorted(self.unit_sizes.items())),
            tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(params)))
     if key not in self._compiled:
       roles = ("row",) if contraction else ROLES

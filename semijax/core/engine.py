@@ -90,7 +90,11 @@ class Engine:
     self.batch_sharding = NamedSharding(mesh, P(mesh_lib.DATA))
     self.feeds = mesh_lib.batch_feed(mesh)[1]     # row blocks the processes feed
     self._compiled: dict = {}
+    self._init_fn = None
     self._migrator = None
+    # Compiled programs of the balancing helpers (the resize priority's scores), kept with the
+    # engine so that runs which reuse it (benchmarks) reuse them too.
+    self.helper_programs: dict = {}
     self.compile_count = 0
     self.trace_count = 0
 
@@ -170,8 +174,9 @@ class Engine:
     """The canonical layout of the sharded logical form (see above)."""
     return layout_lib.Layout.canonical(self.num_units, self.tensor_size)
 
-  def _init_logical(self, seed: int) -> TrainState:
-    """The logical state from `seed`, unit axes padded to the canonical layout's slots."""
+  def _init_logical(self, seed) -> TrainState:
+    """The logical state from `seed` (an int or a key), unit axes padded to the canonical
+    layout's slots."""
     params = nnx.to_pure_dict(nnx.split(self.model_fn(nnx.Rngs(seed)))[1])
     state = TrainState(params, self.tx.init(params))
     slots = {k: u.num_slots * self.unit_sizes[k] for k, u in self.logical_layout.kinds().items()}
@@ -188,9 +193,13 @@ class Engine:
 
   def init_logical(self, seed: int) -> TrainState:
     """The sharded logical state from `seed` (parameters and optimizer state). Computed under
-    its output sharding, so each device builds only its share (no replicated copy)."""
-    return jax.jit(functools.partial(self._init_logical, seed),
-                   out_shardings=self.logical_shardings())()
+    its output sharding, so each device builds only its share (no replicated copy). The seed's
+    key goes in as data (host numpy, the same on every process), so one program serves every
+    seed: runs that reuse an engine do not compile their initialization again."""
+    if self._init_fn is None:
+      self._init_fn = jax.jit(lambda data: self._init_logical(jax.random.wrap_key_data(data)),
+                              out_shardings=self.logical_shardings())
+    return self._init_fn(np.asarray(jax.random.key_data(jax.random.key(seed))))
 
   def abstract_logical(self) -> TrainState:
     """Shapes, dtypes and shardings of the sharded logical state: a restore target."""

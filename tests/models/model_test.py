@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import dense_reference as ref
 import helpers as H
@@ -155,3 +156,19 @@ def test_padded_slots_stay_exactly_zero(trained):
       assert np.any(owned != 0), (kind, names)
       checked += 1
   assert checked == 3 * 2 * 10   # (params, mu, nu) x layers x unit-axis parameters per layer
+
+
+def test_init_logical_compiles_once_for_every_seed_and_matches_the_seeded_model():
+  # Runs that reuse an engine (benchmarks) initialize each seed with the same program; every
+  # seed's state is the model built directly from nnx.Rngs(seed) (to float rounding: jit fuses
+  # differently from eager ops), and seeds differ.
+  eng = H.make_engine("gpt", tensor=2)
+  eng.init_logical(0)
+  with H.count_backend_compiles() as compiles:
+    states = {seed: eng.init_logical(seed) for seed in (3, 2**33 + 5)}
+  assert compiles == []
+  for seed, state in states.items():
+    direct = nnx.to_pure_dict(nnx.split(eng.model_fn(nnx.Rngs(seed)))[1])
+    H.assert_trees_close(eng.logical_arrays(state.params), direct, atol=1e-7, rtol=1e-6)
+  a, b = (jax.tree.leaves(eng.logical_arrays(s.params)) for s in states.values())
+  assert any(not np.array_equal(x, y) for x, y in zip(a, b))
