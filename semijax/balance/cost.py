@@ -44,9 +44,9 @@ MIN_FIT_R2 = 0.5
 MIN_LOAD_SHARE = 0.05
 # The fit picks `repeat` on this grid (shares of the model's block work) ...
 REPEAT_GRID = tuple(i / 40 for i in range(41))
-# ... and leaves the prior only where a line through its x leaves this much less unexplained
-# (1 - R^2, and at least 1e-6 less): with all samples at one speed and the slow device critical,
-# every `repeat` fits alike.
+# ... and leaves the value it holds (at first the prior) only where a line through another x
+# leaves this much less unexplained (1 - R^2, and at least 1e-6 less): with all samples at one
+# speed and the slow device critical, every `repeat` fits alike.
 MIN_REPEAT_GAIN = 0.25
 # Bytes per second assumed for the per-step traffic of offload (weights out, gradients back):
 # an order of magnitude of host-memory copies between fake CPU devices and of NVLink-class links.
@@ -236,8 +236,10 @@ class CostModel:
     (critical load, seconds) points (older points fade by `forget` per sample) gives `fixed_s`
     and `per_load_s`. Once there are `MIN_FIT_SAMPLES` points, the load has varied
     (`MIN_LOAD_SPREAD`) and a line explains the times (`MIN_FIT_R2`), the fit takes over: with
-    the prior `repeat`, or with the grid's best where its unexplained variance is
-    `MIN_REPEAT_GAIN` below the prior's. Otherwise `fixed_s` stays (at first `fixed_fraction`
+    the `repeat` it holds (at first the prior), or with the grid's best where its unexplained
+    variance is `MIN_REPEAT_GAIN` below the held one's (so that the held value, and with it the
+    balanced split, does not swing between near-equal fits as samples come and fade: such swings
+    made `semi` migrate back and forth at the start of a burst). Otherwise `fixed_s` stays (at first `fixed_fraction`
     of the first step) and `per_load_s` follows the measurements.
     """
     y = measured_s
@@ -257,10 +259,9 @@ class CostModel:
     fits = {float(r): f for r, f in zip(grid, self._fits(grid)) if f is not None}
     if fits:
       best = min(fits, key=lambda r: fits[r][2])
-      prior = fits.get(self.repeat_prior)
-      gain = math.inf if prior is None else prior[2] - fits[best][2]
-      r = best if gain > max(MIN_REPEAT_GAIN * prior[2] if prior else 0.0, 1e-6) else (
-          self.repeat_prior)
+      held = fits.get(self.repeat)
+      gain = math.inf if held is None else held[2] - fits[best][2]
+      r = best if gain > max(MIN_REPEAT_GAIN * held[2] if held else 0.0, 1e-6) else self.repeat
       self.repeat, (self.fixed_s, self.per_load_s, _) = r, fits[r]
       return
     if self.fixed_s is None:

@@ -379,9 +379,9 @@ def _repeat_model(repeat=0.0):
                             fixed_fraction=0.1, repeat=repeat)
 
 
-def _truth(setup, speeds):
-  """fixed 0.1 s, per_load 1.0 s, repeated work 0.5 of the block work on every device."""
-  return 0.1 + max((load + 0.5) / s for load, s in zip(
+def _truth(setup, speeds, repeat=0.5):
+  """fixed 0.1 s, per_load 1.0 s, repeated work `repeat` of the block work on every device."""
+  return 0.1 + max((load + repeat) / s for load, s in zip(
       _repeat_model().loads(setup), speeds))
 
 
@@ -395,6 +395,36 @@ def test_cost_model_fits_repeated_work_from_two_speeds():
   assert cost.fixed_s == pytest.approx(0.1) and cost.per_load_s == pytest.approx(1.0)
   # (7, 1) at (1, 0.5): max((0.875 + 0.5) / 1, (0.125 + 0.5) / 0.5) = 1.375.
   assert cost.compute_s(ctl.Setup.of({"mlp": (7, 1)}), SLOW) == pytest.approx(0.1 + 1.375)
+
+
+def test_cost_model_holds_its_repeat_until_another_fits_clearly_better():
+  # Fitted on exact steps (repeat 0.5), then fed steps with 3% noise: the grid's best value
+  # wanders around 0.5, and the held value (which sets the balanced split) must not follow every
+  # wobble; steps of a clearly different machine (repeat 0.1) do move it.
+  cost = _repeat_model()
+  points = [((4, 4), EVEN), ((4, 4), SLOW), ((6, 2), SLOW), ((5, 3), SLOW), ((6, 2), EVEN)]
+  for owned, speeds in points * 2:
+    setup = ctl.Setup.of({"mlp": owned})
+    cost.observe(setup, speeds, _truth(setup, speeds))
+  assert cost.repeat == pytest.approx(0.5)
+  grid = np.array(cost_lib.REPEAT_GRID)
+  rng = np.random.default_rng(0)
+  held, best = [], []
+  for i in range(40):
+    owned, speeds = points[i % len(points)]
+    setup = ctl.Setup.of({"mlp": owned})
+    cost.observe(setup, speeds, _truth(setup, speeds) * (1 + 0.03 * rng.standard_normal()))
+    fits = [(r, f[2]) for r, f in zip(grid, cost._fits(grid)) if f is not None]
+    best.append(min(fits, key=lambda t: t[1])[0])
+    held.append(cost.repeat)
+  changes = lambda v: sum(a != b for a, b in zip(v, v[1:]))
+  assert changes(best) >= 8 and changes(held) <= 2
+  assert all(abs(r - 0.5) <= 0.1 for r in held)
+  for i in range(40):
+    owned, speeds = points[i % len(points)]
+    setup = ctl.Setup.of({"mlp": owned})
+    cost.observe(setup, speeds, _truth(setup, speeds, repeat=0.1))
+  assert cost.repeat == pytest.approx(0.1)
 
 
 def test_cost_model_keeps_the_repeat_prior_when_samples_cannot_tell():
