@@ -58,21 +58,22 @@ PROFILE = (8.0, 6.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0)
 ROTATING = (8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 SAME_SPEED = 0.9     # oracle speeds all at least this (relative): the cores are equal
 ROUNDS = 3           # runs of every cell, in interleaved rounds
-EVALS_PER_RUN = 8    # validation points of every run (the time to reach a loss)
+EVALS_PER_RUN = 8    # validation points of every run (the time to reach a loss); 4 with --quick
 CALIBRATION_REPEATS = (0.0, 0.2, 0.4, 0.6)   # repeated work tried by the calibration
-CALIBRATION_STEPS = 30                       # steps of each calibration run
-CALIBRATION_PASSES = 2                       # passes over them, order reversed every other
+CALIBRATION_STEPS = 30                       # steps of each calibration run (20 with --quick)
+CALIBRATION_PASSES = 2                       # passes over them, order reversed every other (1)
 # A run has reached a validation loss within this relative tolerance: runs of exactly the same
 # model on different layouts differ by float rounding (about 1e-6), not by more.
 LOSS_TOL = 1e-4
 
 
-def _bench_config(arg: str, steps: int, log_every: int, num_widths: int):
-  """gpt_tiny (config argument `arg`) for benchmark runs: `EVALS_PER_RUN` evaluations, no
-  checkpoints but the last, `num_widths` compute widths in the dynamic policies' bucket."""
+def _bench_config(arg: str, steps: int, log_every: int, num_widths: int, quick: bool):
+  """gpt_tiny (config argument `arg`) for benchmark runs: `EVALS_PER_RUN` evaluations (half
+  with `quick`), no checkpoints but the last, `num_widths` compute widths in the dynamic
+  policies' bucket."""
   c = config_lib.load(os.path.join(_root(), "configs", "gpt_tiny.py") + ":" + arg)
   c.steps = steps
-  c.eval_every = max(1, steps // EVALS_PER_RUN)
+  c.eval_every = max(1, steps // (EVALS_PER_RUN // 2 if quick else EVALS_PER_RUN))
   c.log_every = log_every
   c.checkpoint_every = 0
   c.keep_checkpoints = 1
@@ -81,14 +82,15 @@ def _bench_config(arg: str, steps: int, log_every: int, num_widths: int):
 
 
 def real_steps(quick: bool, scenario: str) -> int:
-  """Steps of a real-contention run: 40 with --quick; else 300, and 100 without contention
+  """Steps of a real-contention run: 32 with --quick; else 300, and 100 without contention
   (where only the cost of measuring is at stake), which keeps the full benchmark near an hour."""
-  return 40 if quick else (100 if scenario == "none" else 300)
+  return 32 if quick else (100 if scenario == "none" else 300)
 
 
 def real_config(quick: bool, scenario: str = "steady"):
   """gpt_tiny on 2 tensor devices (one per process), sized so compute dominates communication."""
-  c = _bench_config("cpu,tensor=2", real_steps(quick, scenario), log_every=20, num_widths=7)
+  c = _bench_config("cpu,tensor=2", real_steps(quick, scenario), log_every=20, num_widths=7,
+                    quick=quick)
   c.model.d_model, c.model.d_ff, c.model.num_layers = 256, 1024, 2
   c.batch_size = 16       # smaller batches leave the split less to win (collective latency)
   c.balance.probe_every = 2   # react within a few steps: the quick bursts last 4 s
@@ -102,7 +104,7 @@ def emulated_config(quick: bool, scenario: str):
   """gpt_tiny on 8 fake devices with an emulated slowdown profile. The dynamic policies' big
   bucket compiles 16 widths (every 8 of its 128 MLP units): with 8, a split on widths 16 apart
   left the slowest device a quarter more work than the oracle's split in granules of 8."""
-  c = _bench_config("cpu", 16 if quick else 48, log_every=8, num_widths=16)
+  c = _bench_config("cpu", 12 if quick else 40, log_every=8, num_widths=16, quick=quick)
   c.model.num_layers = 1
   c.hetero.slowdown = PROFILE if scenario == "static_profile" else ROTATING
   c.hetero.rotate_every = 0 if scenario == "static_profile" else (4 if quick else 8)
@@ -182,6 +184,12 @@ def _print_run(scenario: str, policy: str, r: int, record: dict) -> None:
         f"val {record['final_val_loss']:.4f}", flush=True)
 
 
+def _persistent_cache(out: str) -> None:
+  """Keeps every compiled program in out/.jax_cache: a rerun of the benchmark compiles little."""
+  jax.config.update("jax_compilation_cache_dir", os.path.join(out, ".jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
 # --- real contention (runs inside each launched process) -----------------------------------------
 
 
@@ -242,12 +250,12 @@ def split_counts(units: int, speeds, repeat: float) -> tuple[int, ...]:
 
 
 def _timed_split(out: str, base, counts: dict, name: str, cache: dict, core: int,
-                 pattern: str, sched) -> tuple[float, np.ndarray | None]:
+                 pattern: str, sched, steps: int) -> tuple[float, np.ndarray | None]:
   """(median step seconds, the most of any process; relative device times while it trained, or
   None without scheduler stats) of a short `static` run of `counts` {kind: (fast, slow)} with
   the competitor `pattern`, identical on every process."""
   c = copy.deepcopy(base)
-  c.steps, c.eval_every, c.balance.policy = CALIBRATION_STEPS, CALIBRATION_STEPS, "static"
+  c.steps, c.eval_every, c.balance.policy = steps, steps, "static"
   for kind, split in counts.items():
     c.layout[kind] = tuple(split)
   workdir = os.path.join(out, "runs", "calibration", name)
@@ -257,13 +265,14 @@ def _timed_split(out: str, base, counts: dict, name: str, cache: dict, core: int
                               on_start=None if sched is None else sched.warm_up)
   # Every process times its own steps: share the slowest process's median (and the scheduler's
   # shares), so that every process picks the same split from identical numbers.
-  seconds = float(np.median(summary["step_times_s"][CALIBRATION_STEPS // 5:]))
+  seconds = float(np.median(summary["step_times_s"][steps // 5:]))
   every, seconds = speed.gather_times({} if sched is None else sched.measure(), extra=seconds)
   relative = None if sched is None else np.array([every[i] for i in sorted(every)])
   return seconds, relative
 
 
-def calibrate(out: str, base, probe_times: dict, cache: dict, core: int) -> dict:
+def calibrate(out: str, base, probe_times: dict, cache: dict, core: int,
+              quick: bool = False) -> dict:
   """Measures this machine before the rounds: the devices' speeds while they train, and how
   much work every device repeats at its own speed (`repeat`, in shares of the block work).
 
@@ -271,8 +280,8 @@ def calibrate(out: str, base, probe_times: dict, cache: dict, core: int) -> dict
   scheduler's share while training, as the controlled policies measure it in a run; else
   `probe_times`, the probe's). Then, under steady contention, the time-balanced split
   (`split_counts`) for every `repeat` of `CALIBRATION_REPEATS`, in `CALIBRATION_PASSES` passes
-  (order reversed every other pass): the `repeat` whose split ran fastest (median over the
-  passes) is the machine's. On CPU most repeated work is dispatch and small ops, so FLOPs do
+  (order reversed every other pass) of `CALIBRATION_STEPS` steps (`quick`: one pass of 20): the
+  `repeat` whose split ran fastest (median over the passes) is the machine's. On CPU most repeated work is dispatch and small ops, so FLOPs do
   not tell it; a split that is too skewed or not skewed enough both run slower, so the fastest
   one does. The oracle runs that split, the controlled policies start from that `repeat`.
 
@@ -280,24 +289,25 @@ def calibrate(out: str, base, probe_times: dict, cache: dict, core: int) -> dict
     {"repeat", "times": {"none" | "steady": relative device times [N]},
      "candidates": {repeat: {"counts", "seconds": [...]}}}.
   """
+  steps, passes = (20, 1) if quick else (CALIBRATION_STEPS, CALIBRATION_PASSES)
   units = config_lib.validate(base, jax.device_count(), jax.process_count()).model.num_units()
   even = {k: layout_lib.even_counts(u, 2) for k, u in units.items()}
   sched = speed.SchedShare() if speed.SchedShare.available() else None
   times = {}
   for pattern in ("none", "steady"):
     seconds, relative = _timed_split(out, base, even, f"even_{pattern}", cache, core, pattern,
-                                     sched)
+                                     sched, steps)
     times[pattern] = relative if relative is not None else np.asarray(probe_times[pattern])
     print(f"[bench] calibration: even split, {pattern}: {seconds * 1e3:.1f} ms/step, speeds "
           f"{np.round(times[pattern].min() / times[pattern], 3).tolist()}", flush=True)
   speeds = times["steady"].min() / times["steady"]
   candidates = {r: {"counts": {k: split_counts(u, speeds, r) for k, u in units.items()},
                     "seconds": []} for r in CALIBRATION_REPEATS}
-  for p in range(CALIBRATION_PASSES):
+  for p in range(passes):
     for r in CALIBRATION_REPEATS[::1 if p % 2 == 0 else -1]:
       cand = candidates[r]
       seconds, _ = _timed_split(out, base, cand["counts"], f"{p}_repeat{r}", cache, core,
-                                "steady", sched)
+                                "steady", sched, steps)
       cand["seconds"].append(round(seconds, 5))
       print(f"[bench] calibration: repeat {r:.2f} split {cand['counts']}: "
             f"{seconds * 1e3:.1f} ms/step", flush=True)
@@ -314,15 +324,14 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
   """One process of the real-contention benchmark (see module doc); process 0 writes
   out/real_raw.json (after every run, so that a run cut short keeps what it measured)."""
   distributed.initialize()
-  jax.config.update("jax_compilation_cache_dir", os.path.join(out, ".jax_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  _persistent_cache(out)
   base = real_config(quick)
   probe = speed.Probe(base.balance.probe_size, base.balance.probe_repeats)
   probe.warm_up()
   t_off, ids = measure_speeds(probe, core, "none", 2.0)
   t_on, _ = measure_speeds(probe, core, "steady", 3.0)
   cache: dict = {}
-  fit = calibrate(out, base, {"none": t_off, "steady": t_on}, cache, core)
+  fit = calibrate(out, base, {"none": t_off, "steady": t_on}, cache, core, quick)
   t_off, t_on = np.asarray(fit["times"]["none"]), np.asarray(fit["times"]["steady"])
   times = {"none": t_off, "steady": t_on, "bursts": (on_s * t_on + off_s * t_off) / (on_s + off_s)}
   speeds = {k: v.min() / v for k, v in times.items()}
@@ -359,6 +368,7 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
 def run_emulated(out: str, *, quick: bool, scenarios, policies, rounds: int = ROUNDS) -> dict:
   """Runs the emulated scenarios in this process (needs 8 devices); writes out/emulated_raw.json
   (after every run)."""
+  _persistent_cache(out)
   cache: dict = {}
   runs = {s: {p: [] for p in policies} for s in scenarios}
   speeds = {}
