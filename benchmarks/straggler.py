@@ -271,14 +271,22 @@ def _timed_split(out: str, base, counts: dict, name: str, cache: dict, core: int
   return seconds, relative
 
 
-def calibrate(out: str, base, probe_times: dict, cache: dict, core: int,
-              quick: bool = False) -> dict:
+def _probe_times(base, core: int) -> dict:
+  """{"none" | "steady": relative device times [N]} of the busy probe (`measure_speeds`), the
+  speeds' fallback where the scheduler keeps no stats."""
+  probe = speed.Probe(base.balance.probe_size, base.balance.probe_repeats)
+  probe.warm_up()
+  return {pattern: measure_speeds(probe, core, pattern, seconds)[0]
+          for pattern, seconds in (("none", 2.0), ("steady", 3.0))}
+
+
+def calibrate(out: str, base, cache: dict, core: int, quick: bool = False) -> dict:
   """Measures this machine before the rounds: the devices' speeds while they train, and how
   much work every device repeats at its own speed (`repeat`, in shares of the block work).
 
   First the even split, without and with the steady competitor, for the speeds (the
-  scheduler's share while training, as the controlled policies measure it in a run; else
-  `probe_times`, the probe's). Then, under steady contention, the time-balanced split
+  scheduler's share while training, as the controlled policies measure it in a run; without
+  scheduler stats, the busy probe's: `_probe_times`). Then, under steady contention, the time-balanced split
   (`split_counts`) for every `repeat` of `CALIBRATION_REPEATS`, in `CALIBRATION_PASSES` passes
   (order reversed every other pass) of `CALIBRATION_STEPS` steps (`quick`: one pass of 20): the
   `repeat` whose split ran fastest (median over the passes) is the machine's. On CPU most repeated work is dispatch and small ops, so FLOPs do
@@ -293,6 +301,7 @@ def calibrate(out: str, base, probe_times: dict, cache: dict, core: int,
   units = config_lib.validate(base, jax.device_count(), jax.process_count()).model.num_units()
   even = {k: layout_lib.even_counts(u, 2) for k, u in units.items()}
   sched = speed.SchedShare() if speed.SchedShare.available() else None
+  probe_times = None if sched is not None else _probe_times(base, core)
   times = {}
   for pattern in ("none", "steady"):
     seconds, relative = _timed_split(out, base, even, f"even_{pattern}", cache, core, pattern,
@@ -326,17 +335,13 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
   distributed.initialize()
   _persistent_cache(out)
   base = real_config(quick)
-  probe = speed.Probe(base.balance.probe_size, base.balance.probe_repeats)
-  probe.warm_up()
-  t_off, ids = measure_speeds(probe, core, "none", 2.0)
-  t_on, _ = measure_speeds(probe, core, "steady", 3.0)
   cache: dict = {}
-  fit = calibrate(out, base, {"none": t_off, "steady": t_on}, cache, core, quick)
+  fit = calibrate(out, base, cache, core, quick)
   t_off, t_on = np.asarray(fit["times"]["none"]), np.asarray(fit["times"]["steady"])
   times = {"none": t_off, "steady": t_on, "bursts": (on_s * t_on + off_s * t_off) / (on_s + off_s)}
   speeds = {k: v.min() / v for k, v in times.items()}
   runs = {s: {p: [] for p in policies} for s in scenarios}
-  raw = {"mode": "real", "quick": quick, "rounds": rounds, "probe_device_ids": ids,
+  raw = {"mode": "real", "quick": quick, "rounds": rounds,
          "cost_fit": fit,
          "speeds": {k: v.tolist() for k, v in speeds.items()},
          "times": {k: v.tolist() for k, v in times.items()},
