@@ -286,12 +286,13 @@ def calibrate(out: str, base, cache: dict, core: int, quick: bool = False) -> di
 
   First the even split, without and with the steady competitor, for the speeds (the
   scheduler's share while training, as the controlled policies measure it in a run; without
-  scheduler stats, the busy probe's: `_probe_times`). Then, under steady contention, the time-balanced split
-  (`split_counts`) for every `repeat` of `CALIBRATION_REPEATS`, in `CALIBRATION_PASSES` passes
-  (order reversed every other pass) of `CALIBRATION_STEPS` steps (`quick`: one pass of 20): the
-  `repeat` whose split ran fastest (median over the passes) is the machine's. On CPU most repeated work is dispatch and small ops, so FLOPs do
-  not tell it; a split that is too skewed or not skewed enough both run slower, so the fastest
-  one does. The oracle runs that split, the controlled policies start from that `repeat`.
+  scheduler stats, the busy probe's: `_probe_times`). Then, under steady contention, the
+  time-balanced split (`split_counts`) for every `repeat` of `CALIBRATION_REPEATS`, in
+  `CALIBRATION_PASSES` passes (order reversed every other pass) of `CALIBRATION_STEPS` steps
+  (`quick`: one pass of 20): the `repeat` whose split ran fastest (median over the passes) is
+  the machine's. On CPU most repeated work is dispatch and small ops, so FLOPs do not tell it;
+  a split that is too skewed or not skewed enough both run slower, so the fastest one does.
+  The oracle runs that split, the controlled policies start from that `repeat`.
 
   Returns:
     {"repeat", "times": {"none" | "steady": relative device times [N]},

@@ -239,8 +239,8 @@ class CostModel:
     the `repeat` it holds (at first the prior), or with the grid's best where its unexplained
     variance is `MIN_REPEAT_GAIN` below the held one's (so that the held value, and with it the
     balanced split, does not swing between near-equal fits as samples come and fade: such swings
-    made `semi` migrate back and forth at the start of a burst). Otherwise `fixed_s` stays (at first `fixed_fraction`
-    of the first step) and `per_load_s` follows the measurements.
+    made `semi` migrate back and forth at the start of a burst). Otherwise `fixed_s` stays (at
+    first `fixed_fraction` of the first step) and `per_load_s` follows the measurements.
     """
     y = measured_s
     work, speeds = self.work(setup), np.asarray(speeds, np.float64)
