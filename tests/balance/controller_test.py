@@ -385,12 +385,20 @@ def _truth(setup, speeds, repeat=0.5):
       _repeat_model().loads(setup), speeds))
 
 
+def _observe(cost, owned, speeds, repeat=0.5, scale=1.0):
+  """Feeds `cost` one step of split `owned` at `speeds`, timed by `_truth` (times `scale`)."""
+  setup = ctl.Setup.of({"mlp": owned})
+  cost.observe(setup, speeds, _truth(setup, speeds, repeat) * scale)
+
+
+# Splits at two speeds: enough to tell the repeated work apart from the fixed work.
+TWO_SPEED_POINTS = [((4, 4), EVEN), ((4, 4), SLOW), ((6, 2), SLOW), ((5, 3), SLOW), ((6, 2), EVEN)]
+
+
 def test_cost_model_fits_repeated_work_from_two_speeds():
   cost = _repeat_model()
-  points = [((4, 4), EVEN), ((4, 4), SLOW), ((6, 2), SLOW), ((5, 3), SLOW), ((6, 2), EVEN)]
-  for owned, speeds in points * 2:
-    setup = ctl.Setup.of({"mlp": owned})
-    cost.observe(setup, speeds, _truth(setup, speeds))
+  for owned, speeds in TWO_SPEED_POINTS * 2:
+    _observe(cost, owned, speeds)
   assert cost.repeat == pytest.approx(0.5)
   assert cost.fixed_s == pytest.approx(0.1) and cost.per_load_s == pytest.approx(1.0)
   # (7, 1) at (1, 0.5): max((0.875 + 0.5) / 1, (0.125 + 0.5) / 0.5) = 1.375.
@@ -402,28 +410,22 @@ def test_cost_model_holds_its_repeat_until_another_fits_clearly_better():
   # wanders around 0.5, and the held value (which sets the balanced split) must not follow every
   # wobble; steps of a clearly different machine (repeat 0.1) do move it.
   cost = _repeat_model()
-  points = [((4, 4), EVEN), ((4, 4), SLOW), ((6, 2), SLOW), ((5, 3), SLOW), ((6, 2), EVEN)]
-  for owned, speeds in points * 2:
-    setup = ctl.Setup.of({"mlp": owned})
-    cost.observe(setup, speeds, _truth(setup, speeds))
+  for owned, speeds in TWO_SPEED_POINTS * 2:
+    _observe(cost, owned, speeds)
   assert cost.repeat == pytest.approx(0.5)
   grid = np.array(cost_lib.REPEAT_GRID)
   rng = np.random.default_rng(0)
   held, best = [], []
-  for i in range(40):
-    owned, speeds = points[i % len(points)]
-    setup = ctl.Setup.of({"mlp": owned})
-    cost.observe(setup, speeds, _truth(setup, speeds) * (1 + 0.03 * rng.standard_normal()))
+  for owned, speeds in TWO_SPEED_POINTS * 8:
+    _observe(cost, owned, speeds, scale=1 + 0.03 * rng.standard_normal())
     fits = [(r, f[2]) for r, f in zip(grid, cost._fits(grid)) if f is not None]
     best.append(min(fits, key=lambda t: t[1])[0])
     held.append(cost.repeat)
   changes = lambda v: sum(a != b for a, b in zip(v, v[1:]))
   assert changes(best) >= 8 and changes(held) <= 2
   assert all(abs(r - 0.5) <= 0.1 for r in held)
-  for i in range(40):
-    owned, speeds = points[i % len(points)]
-    setup = ctl.Setup.of({"mlp": owned})
-    cost.observe(setup, speeds, _truth(setup, speeds, repeat=0.1))
+  for owned, speeds in TWO_SPEED_POINTS * 8:
+    _observe(cost, owned, speeds, repeat=0.1)
   assert cost.repeat == pytest.approx(0.1)
 
 
@@ -432,8 +434,7 @@ def test_cost_model_keeps_the_repeat_prior_when_samples_cannot_tell():
   # exactly (it only moves the intercept), so the prior stays.
   cost = _repeat_model(repeat=0.25)
   for owned in [(4, 4), (5, 3), (3, 5), (2, 6)] * 2:
-    setup = ctl.Setup.of({"mlp": owned})
-    cost.observe(setup, SLOW, _truth(setup, SLOW))
+    _observe(cost, owned, SLOW)
   assert cost.repeat == 0.25
   # The line still predicts the slow-critical splits: (3, 5) at (1, 0.5) -> 0.1 + 2.25.
   three_five = ctl.Setup.of({"mlp": (3, 5)})
