@@ -46,8 +46,14 @@ MIN_LOAD_SHARE = 0.05
 REPEAT_GRID = tuple(i / 40 for i in range(41))
 # ... and leaves the value it holds (at first the prior) only where a line through another x
 # leaves this much less unexplained (1 - R^2, and at least 1e-6 less): with all samples at one
-# speed and the slow device critical, every `repeat` fits alike.
+# speed and the slow device critical, every `repeat` fits alike ...
 MIN_REPEAT_GAIN = 0.25
+# ... and only once values within `REPEAT_CONFIRM_TOL` of each other have won this many
+# observations in a row: when the speeds change, the remembered samples mix two regimes and the
+# grid's best can jump across the grid from one sample to the next (0.6, 0.0, 1.0, 0.075, 1.0
+# at one burst's start in the benchmark), each jump a new balanced split.
+REPEAT_CONFIRM = 3
+REPEAT_CONFIRM_TOL = 0.1
 # Bytes per second assumed for the per-step traffic of offload (weights out, gradients back):
 # an order of magnitude of host-memory copies between fake CPU devices and of NVLink-class links.
 OFFLOAD_BYTES_PER_S = 1e9
@@ -129,6 +135,7 @@ class CostModel:
     self.fixed_fraction, self.alpha = fixed_fraction, alpha
     self.forget = 1.0 - 1.0 / memory
     self.repeat = self.repeat_prior = float(repeat)
+    self._challenger = (None, 0)     # (repeat that beat the held one, wins in a row)
     self.fixed_s = None
     self.per_load_s = None
     self.move_s = move_s
@@ -236,11 +243,14 @@ class CostModel:
     (critical load, seconds) points (older points fade by `forget` per sample) gives `fixed_s`
     and `per_load_s`. Once there are `MIN_FIT_SAMPLES` points, the load has varied
     (`MIN_LOAD_SPREAD`) and a line explains the times (`MIN_FIT_R2`), the fit takes over: with
-    the `repeat` it holds (at first the prior), or with the grid's best where its unexplained
-    variance is `MIN_REPEAT_GAIN` below the held one's (so that the held value, and with it the
-    balanced split, does not swing between near-equal fits as samples come and fade: such swings
-    made `semi` migrate back and forth at the start of a burst). Otherwise `fixed_s` stays (at
-    first `fixed_fraction` of the first step) and `per_load_s` follows the measurements.
+    the `repeat` it holds (at first the prior); the grid's best replaces it only where its
+    unexplained variance is `MIN_REPEAT_GAIN` below the held one's, or the held line is not
+    trusted, in `REPEAT_CONFIRM` observations in a row (`_hold_or_switch`). So the held value,
+    and with it the balanced split, does not swing between near-equal fits as samples come and
+    fade, nor across the grid while the samples mix two speed regimes: such swings made `semi`
+    migrate back and forth at the start of a burst. Otherwise (no trusted line for the held
+    value) `fixed_s` stays (at first `fixed_fraction` of the first step) and `per_load_s`
+    follows the measurements.
     """
     y = measured_s
     work, speeds = self.work(setup), np.asarray(speeds, np.float64)
@@ -256,13 +266,12 @@ class CostModel:
     self._speeds = np.vstack([self._speeds[keep], speeds[None]])
     self._y = np.append(self._y[keep], y)
     grid = np.array(sorted({self.repeat_prior, *REPEAT_GRID}))
-    fits = {float(r): f for r, f in zip(grid, self._fits(grid)) if f is not None}
-    if fits:
-      best = min(fits, key=lambda r: fits[r][2])
-      held = fits.get(self.repeat)
-      gain = math.inf if held is None else held[2] - fits[best][2]
-      r = best if gain > max(MIN_REPEAT_GAIN * held[2] if held else 0.0, 1e-6) else self.repeat
-      self.repeat, (self.fixed_s, self.per_load_s, _) = r, fits[r]
+    lines = {float(r): f for r, f in zip(grid, self._fits(grid)) if f is not None}
+    fits = {r: f[:3] for r, f in lines.items() if f[3]}
+    held = lines.get(self.repeat)
+    self._hold_or_switch(fits, held[2] if held is not None and held[1] > 0 else None)
+    if self.repeat in fits:
+      self.fixed_s, self.per_load_s, _ = fits[self.repeat]
       return
     if self.fixed_s is None:
       self.fixed_s = self.fixed_fraction * y
@@ -271,9 +280,34 @@ class CostModel:
     b = max(y - self.fixed_s, MIN_LOAD_SHARE * y) / x
     self.per_load_s = (1 - self.alpha) * self.per_load_s + self.alpha * b
 
+  def _hold_or_switch(self, fits: dict, held: float | None) -> None:
+    """Moves `repeat` to the grid's best fit once it has left `MIN_REPEAT_GAIN` less variance
+    unexplained than the held value's line, in `REPEAT_CONFIRM` observations in a row, its
+    winners within `REPEAT_CONFIRM_TOL` of each other.
+
+    Args:
+      fits: {repeat: (fixed_s, per_load_s, 1 - R^2)}: the trusted lines of this observation.
+      held: 1 - R^2 of the held value's line, trusted or not (a noisy intercept below zero does
+        not refute it), or None where it has no rising line.
+    """
+    if not fits:
+      self._challenger = (None, 0)
+      return
+    best = min(fits, key=lambda r: fits[r][2])
+    if held is not None and held - fits[best][2] <= max(MIN_REPEAT_GAIN * held, 1e-6):
+      self._challenger = (None, 0)
+      return
+    last, wins = self._challenger
+    wins = wins + 1 if last is not None and abs(best - last) <= REPEAT_CONFIRM_TOL else 1
+    self._challenger = (best, wins)
+    if wins >= REPEAT_CONFIRM:
+      self.repeat, self._challenger = best, (None, 0)
+
   def _fits(self, repeats: np.ndarray) -> list:
-    """For each of `repeats` [R]: (fixed_s, per_load_s, 1 - R^2) of the line through the
-    remembered points with that `repeat`, or None where it is not trusted (see `observe`)."""
+    """For each of `repeats` [R]: (fixed_s, per_load_s, 1 - R^2, trusted) of the line through
+    the remembered points with that `repeat`, or None where there are too few points or the
+    load has not varied; `trusted` as in `observe` (a rising line through a non-negative
+    intercept that explains `MIN_FIT_R2` of the variance)."""
     w, y = self._w, self._y
     n = w.sum()
     if n < MIN_FIT_SAMPLES:
@@ -291,8 +325,8 @@ class CostModel:
       b = c / v
       a = my - b * m
       r2 = c * c / (v * vary)
-      out.append((float(a), float(b), float(1.0 - r2))
-                 if b > 0 and 0 <= a < my and r2 >= MIN_FIT_R2 else None)
+      out.append((float(a), float(b), float(1.0 - r2),
+                  bool(b > 0 and 0 <= a < my and r2 >= MIN_FIT_R2)))
     return out
 
   def observe_move(self, seconds: float) -> None:
