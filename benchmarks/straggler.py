@@ -82,9 +82,10 @@ def _bench_config(arg: str, steps: int, log_every: int, num_widths: int, quick: 
 
 
 def real_steps(quick: bool, scenario: str) -> int:
-  """Steps of a real-contention run: 32 with --quick; else 300, and 100 without contention
-  (where only the cost of measuring is at stake), which keeps the full benchmark near an hour."""
-  return 32 if quick else (100 if scenario == "none" else 300)
+  """Steps of a real-contention run: 32 with --quick; else 300, and 60 without contention
+  (where only the cost of measuring is at stake), which keeps the full benchmark within an
+  hour."""
+  return 32 if quick else (60 if scenario == "none" else 300)
 
 
 def real_config(quick: bool, scenario: str = "steady"):
@@ -104,7 +105,7 @@ def emulated_config(quick: bool, scenario: str):
   """gpt_tiny on 8 fake devices with an emulated slowdown profile. The dynamic policies' big
   bucket compiles 16 widths (every 8 of its 128 MLP units): with 8, a split on widths 16 apart
   left the slowest device a quarter more work than the oracle's split in granules of 8."""
-  c = _bench_config("cpu", 12 if quick else 40, log_every=8, num_widths=16, quick=quick)
+  c = _bench_config("cpu", 12 if quick else 32, log_every=8, num_widths=16, quick=quick)
   c.model.num_layers = 1
   c.hetero.slowdown = PROFILE if scenario == "static_profile" else ROTATING
   c.hetero.rotate_every = 0 if scenario == "static_profile" else (4 if quick else 8)

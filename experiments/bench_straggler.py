@@ -1,7 +1,7 @@
 r"""The headline benchmark: every balancing policy under real contention and emulated stragglers.
 
   python experiments/bench_straggler.py --quick      # short runs, 3 rounds (about 15 minutes)
-  python experiments/bench_straggler.py              # long runs, 3 rounds (about 60-70 minutes)
+  python experiments/bench_straggler.py              # long runs, 3 rounds (about 60 minutes)
   python experiments/bench_straggler.py --quick --mode=real --scenarios=steady \
       --policies=even,static,semi                    # a part of it
 
@@ -30,8 +30,8 @@ from semijax.runtime import cli  # noqa: E402
 from semijax.runtime import launch  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "Short runs: 32 steps real, 12 emulated, 4 evaluations "
-                           "each, a one-pass calibration (else 300 steps, 100 without "
-                           "contention, 40 emulated, 8 evaluations).")
+                           "each, a one-pass calibration (else 300 steps, 60 without "
+                           "contention, 32 emulated, 8 evaluations).")
 _OUT = flags.DEFINE_string("out", "results/bench_straggler", "Output directory.")
 _MODE = flags.DEFINE_enum("mode", "all", ["all", "real", "emulated"], "Which part to run.")
 _SCENARIOS = flags.DEFINE_list("scenarios", list(sb.SCENARIOS), "Real-contention scenarios.")
