@@ -9,8 +9,9 @@ train (with and without the competitor) and the work every device repeats at its
 (`repeat`: of the time-balanced splits for a few values, the one that ran fastest under steady
 contention). The `static` oracle of a scenario is the time-balanced split at its speeds with
 that work (`split_counts`; for bursts, at the time-weighted mean of the two speeds), and the
-controlled policies start from the same `repeat` (their cost model's prior, which their own fit
-may change).
+controlled policies hold the same `repeat` in their cost model (`balance.fit_repeat` off: the
+calibration timed it; fitted online across speed regimes, it wandered from 0.0 to 1.0 and cost
+extra moves).
 
 Emulated slowdowns (`run_emulated`, one process, 8 fake devices): the authors' static profile
 (8, 6, 4, 2, 1, 1, 1, 1) and their rotating straggler (8 on one device, moving every few steps).
@@ -113,15 +114,16 @@ def emulated_config(quick: bool, scenario: str):
 
 
 def policy_config(base, policy: str, oracle_speeds, seed: int | None = None,
-                  repeat: float = 0.0):
+                  repeat: float = 0.0, fit_repeat: bool = True):
   """`base` for one policy (and `seed`, if given), with `repeat` as the cost model's prior of
   the work every device repeats at its own speed; `static` gets the time-balanced split at
   `oracle_speeds` with that work (`split_counts`: the oracle; even when every speed is within
   `SAME_SPEED` of the fastest, as for two idle cores measured with noise), which compiles
-  exactly its own widths."""
+  exactly its own widths. `fit_repeat` False: the controlled policies hold `repeat`."""
   c = copy.deepcopy(base)
   c.balance.policy = policy
   c.balance.repeat_share = repeat
+  c.balance.fit_repeat = fit_repeat
   if seed is not None:
     c.seed = seed
   if oracle_speeds is not None and min(oracle_speeds) >= SAME_SPEED:
@@ -354,7 +356,7 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
       scenario_base = real_config(quick, scenario)
       for position, policy in enumerate(order):
         config = policy_config(scenario_base, policy, speeds[scenario], seed=base.seed + r,
-                               repeat=fit["repeat"])
+                               repeat=fit["repeat"], fit_repeat=False)
         workdir = os.path.join(out, "runs", scenario, policy, f"round{r}")
         if jax.process_index() == 0 and os.path.exists(workdir):
           shutil.rmtree(workdir)

@@ -46,7 +46,7 @@ def cost_model(engine, spec, settings, resize_spec, buckets) -> cost_lib.CostMod
   return cost_lib.CostModel(
       spec.flops_per_unit(), {k: u.widths for k, u in buckets.big.kinds().items()},
       engine.num_units, fixed_fraction=settings.fixed_fraction,
-      repeat=settings.repeat_share, alpha=settings.cost_alpha,
+      repeat=settings.repeat_share, fit_repeat=settings.fit_repeat, alpha=settings.cost_alpha,
       memory=settings.cost_memory, narrow=None if narrow is None else {
           k: w[0] for k, w in narrow.items()},
       resize_mode=resize_spec.mode, fractions=resize_spec.fractions,

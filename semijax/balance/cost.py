@@ -103,6 +103,8 @@ class CostModel:
       host work), until measurements say otherwise.
     repeat: prior of the work every device repeats at its own speed, in shares of the model's
       block work (0: none), until measurements say otherwise.
+    fit_repeat: whether the fit may replace `repeat` (False: it fits only `fixed_s` and
+      `per_load_s`, with `repeat` held).
     alpha: weight of a new measurement in `per_load_s` before the fit takes over.
     memory: samples the fit remembers (older ones fade by 1 - 1/memory per sample).
     move_s: seconds of one migration (calibrated by `observe_move`).
@@ -116,7 +118,8 @@ class CostModel:
   """
 
   def __init__(self, unit_flops: dict, widths: dict, num_units: dict, *,
-               fixed_fraction: float = 0.1, repeat: float = 0.0, alpha: float = 0.3,
+               fixed_fraction: float = 0.1, repeat: float = 0.0, fit_repeat: bool = True,
+               alpha: float = 0.3,
                memory: float = 10.0,
                move_s: float = 0.0, bytes_per_s: float = OFFLOAD_BYTES_PER_S,
                narrow: dict | None = None, branch_overhead: float = BRANCH_OVERHEAD,
@@ -135,6 +138,7 @@ class CostModel:
     self.fixed_fraction, self.alpha = fixed_fraction, alpha
     self.forget = 1.0 - 1.0 / memory
     self.repeat = self.repeat_prior = float(repeat)
+    self.fit_repeat = fit_repeat
     self._challenger = (None, 0)     # (repeat that beat the held one, wins in a row)
     self.fixed_s = None
     self.per_load_s = None
@@ -265,7 +269,8 @@ class CostModel:
     self._work = np.vstack([self._work[keep], work[None]])
     self._speeds = np.vstack([self._speeds[keep], speeds[None]])
     self._y = np.append(self._y[keep], y)
-    grid = np.array(sorted({self.repeat_prior, *REPEAT_GRID}))
+    grid = np.array(sorted({self.repeat_prior, *REPEAT_GRID} if self.fit_repeat
+                           else {self.repeat}))
     lines = {float(r): f for r, f in zip(grid, self._fits(grid)) if f is not None}
     fits = {r: f[:3] for r, f in lines.items() if f[3]}
     held = lines.get(self.repeat)

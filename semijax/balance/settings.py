@@ -49,6 +49,9 @@ class BalanceSettings:
     fixed_fraction: prior share of a step that no split changes (until the fit knows better).
     repeat_share: prior of the work every device repeats at its own speed, in shares of the
       model's block work (`cost.CostModel`'s `repeat`; until the fit knows better).
+    fit_repeat: whether the cost fit may replace `repeat_share` online. Hold it (False) where a
+      calibration timed it: across speed regimes the fit also explains time that the model has
+      no term for (collectives that slow down with contention), and its value wanders.
     cost_alpha: weight of a new measurement in the per-load estimate, before the fit takes over.
     cost_memory: how many recent samples the cost fit remembers (older ones fade by
       1 - 1/cost_memory per sample).
@@ -76,6 +79,7 @@ class BalanceSettings:
   keep_grid: int = 8
   fixed_fraction: float = 0.1
   repeat_share: float = 0.0
+  fit_repeat: bool = True
   cost_alpha: float = 0.3
   cost_memory: float = 10.0
 
@@ -100,6 +104,8 @@ class BalanceSettings:
       if not _is_number(v) or not (lo_ok and hi_ok):
         interval = f"({lo}, {hi}]" if closed else f"[{lo}, {hi})"
         raise ConfigError(f"{f}.{name}: must be in {interval}, got {v!r}")
+    if not isinstance(self.fit_repeat, bool):
+      raise ConfigError(f"{f}.fit_repeat: must be True or False, got {self.fit_repeat!r}")
     for name, lo in (("capacity_factor", 1.0), ("cost_memory", 1.0), ("resize_horizon_steps", 0)):
       v = getattr(self, name)
       if not _is_number(v) or not v >= lo:

@@ -134,6 +134,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.keep_grid = 8          # semi picks keep ratios on a grid of 1/keep_grid
   c.balance.fixed_fraction = 0.1   # cost model prior: share of a step that no split changes
   c.balance.repeat_share = 0.0     # cost model prior: work each device repeats at its own speed
+  c.balance.fit_repeat = True      # cost model: may its fit replace repeat_share (False: hold it)
   c.balance.cost_alpha = 0.3       # cost model: weight of a new step time before the fit holds
   c.balance.cost_memory = 10.0     # cost model: samples its fit remembers (older ones fade)
 

@@ -456,6 +456,23 @@ def test_cost_model_holds_its_repeat_through_speed_regime_changes():
   assert changes <= 8 and far <= 0.2
 
 
+def test_cost_model_without_fit_repeat_holds_it_and_fits_the_line():
+  # The samples that fit 0.5 from a prior of 0 (test above): with fit_repeat off, 0.25 stays,
+  # and the line through the samples with 0.25 still calibrates fixed_s and per_load_s.
+  cost = cost_lib.CostModel({"mlp": 1.0}, {"mlp": tuple(range(1, 9))}, {"mlp": 8},
+                            fixed_fraction=0.1, repeat=0.25, fit_repeat=False)
+  free = _repeat_model(repeat=0.25)
+  for owned, speeds in TWO_SPEED_POINTS * 2:
+    _observe(cost, owned, speeds)
+    _observe(free, owned, speeds)
+  assert free.repeat == pytest.approx(0.5) and cost.repeat == 0.25
+  line = cost._fits(np.array([0.25]))[0]
+  assert line[3] and (cost.fixed_s, cost.per_load_s) == pytest.approx(line[:2])
+  # Its prediction (the true repeat is 0.5) stays within 20% of the truth.
+  seven_one = ctl.Setup.of({"mlp": (7, 1)})
+  assert cost.compute_s(seven_one, SLOW) == pytest.approx(_truth(seven_one, SLOW), rel=0.2)
+
+
 def test_cost_model_keeps_the_repeat_prior_when_samples_cannot_tell():
   # Every sample at one speed with the slow device critical: any repeat fits a line through them
   # exactly (it only moves the intercept), so the prior stays.

@@ -146,8 +146,9 @@ def test_the_oracle_balances_time_with_the_repeated_work():
   base = sb.real_config(quick=True)
   oracle = sb.policy_config(base, "static", (1.0, 0.38), seed=3, repeat=0.35)
   assert tuple(oracle.layout.mlp) == (912, 112) and oracle.seed == 3
-  semi = sb.policy_config(base, "semi", (1.0, 0.38), repeat=0.35)
+  semi = sb.policy_config(base, "semi", (1.0, 0.38), repeat=0.35, fit_repeat=False)
   assert semi.balance.repeat_share == 0.35 and semi.balance.policy == "semi"
+  assert semi.balance.fit_repeat is False and base.balance.fit_repeat is True
   # Two idle cores measured with noise: the oracle is the even split.
   assert tuple(sb.policy_config(base, "static", (1.0, 0.95), repeat=0.35).layout.mlp) == (
       512, 512)
