@@ -165,7 +165,9 @@ class SpeedTracker:
 
   A device *deviates* when its sample differs from the regime's level by more than `threshold`;
   a device that deviates in `confirm` consecutive samples confirms a new regime (its speed the
-  mean of those samples; devices that did not deviate keep theirs). Deviations are counted per
+  last of those samples: the first one often straddles the change, half in the old regime, and
+  their mean made `semi` move to a split in between and again a few steps later; devices that
+  did not deviate keep theirs). Deviations are counted per
   device, so bursts that alternate between devices never add up to a regime.
 
   Args:
@@ -193,7 +195,6 @@ class SpeedTracker:
     self.history: list[tuple[float, np.ndarray]] = []   # (duration s, speeds) of past regimes
     self._streak = np.zeros(num_devices, np.int64)      # consecutive deviating samples
     self._since = np.zeros(num_devices)                 # when each device's streak began
-    self._recent: list[np.ndarray] = []                 # the last `confirm` samples (log speeds)
     self.samples = 0
     self.provisional = False    # the regime is a warm-up sample's, replaced by the next sample
 
@@ -222,12 +223,11 @@ class SpeedTracker:
     deviating = np.abs(raw - level) > self.log_threshold
     self._since = np.where(deviating & (self._streak == 0), now, self._since)
     self._streak = np.where(deviating, self._streak + 1, 0)
-    self._recent = (self._recent + [raw])[-self.confirm:]
     confirmed = self._streak >= self.confirm
     if confirmed.any():
       start = float(self._since[confirmed].min())
       self.history.append((start - self.regime.start_s, self.regime.speeds))
-      speeds = np.exp(np.where(confirmed, np.mean(self._recent, axis=0), level))
+      speeds = np.exp(np.where(confirmed, raw, level))
       self.regime = Regime(speeds / speeds.max(), start)
       self._streak[:] = 0
       return True

@@ -228,6 +228,18 @@ def test_tracker_ignores_bursts_and_confirms_lasting_changes():
   assert t.elapsed_s(10.0) == 6.0
 
 
+def test_tracker_takes_the_confirming_sample_not_the_straddling_one():
+  # The competitor arrives mid-sample: device 1's first deviating sample is half slow (0.7),
+  # the next fully (0.45). The new regime is at 0.45; the mean (0.56) would be a split in
+  # between, and a second move a few steps later.
+  t = speed.SpeedTracker(2, confirm=2, threshold=0.2)
+  t.update([1.0, 1.0], 0.0)
+  assert not t.update([1.0, 1 / 0.7], 1.0)
+  assert t.update([1.0, 1 / 0.45], 2.0)
+  np.testing.assert_allclose(t.speeds, [1.0, 0.45])
+  assert t.regime.start_s == 1.0
+
+
 def test_tracker_expected_duration_uses_history():
   t = speed.SpeedTracker(2, confirm=1, min_expected_s=0.5)
   t.update([1.0, 1.0], 0.0)
