@@ -13,7 +13,6 @@ import pytest
 
 from helpers import tiny_gpt
 from semijax.balance import coordinator
-from semijax.balance import settings as settings_lib
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 
@@ -127,14 +126,6 @@ def test_bad_balance_config_is_refused(field, value, match):
   c[section][key] = value
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c)
-
-
-def test_fit_repeat_must_be_a_bool():
-  # A config file can only set it to a bool (ConfigDict keeps the type); settings built from a
-  # plain dict (the simulator's records) are checked too.
-  with pytest.raises(config_lib.ConfigError, match="config.balance.fit_repeat"):
-    settings_lib.BalanceSettings(fit_repeat="no").validate()
-  assert settings_lib.BalanceSettings(fit_repeat=False).validate().fit_repeat is False
 
 
 def test_conflicting_balance_settings_are_refused():

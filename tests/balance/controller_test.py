@@ -205,7 +205,8 @@ def test_decisions_carry_reasons_and_predictions():
 
 @pytest.mark.parametrize("field,value", [("policy", "fastest"), ("hysteresis", 1.5),
                                          ("resize_budget", -0.1), ("patience", 0),
-                                         ("cost_alpha", float("nan")), ("confirm", 1.5)])
+                                         ("cost_alpha", float("nan")), ("confirm", 1.5),
+                                         ("fit_repeat", "no")])
 def test_bad_settings_are_refused(field, value):
   with pytest.raises(ConfigError, match=f"^config.balance.{field}: "):
     settings_lib.BalanceSettings(**{field: value}).validate(policies.REGISTRY)
@@ -471,8 +472,10 @@ def test_cost_model_holds_its_repeat_through_speed_regime_changes():
 def test_cost_model_without_fit_repeat_holds_it_and_fits_the_line():
   # The samples that fit 0.5 from a prior of 0 (test above): with fit_repeat off, 0.25 stays,
   # and the line through the samples with 0.25 still calibrates fixed_s and per_load_s.
+  settings = settings_lib.BalanceSettings(fit_repeat=False).validate(policies.REGISTRY)
+  assert settings.fit_repeat is False
   cost = cost_lib.CostModel({"mlp": 1.0}, {"mlp": tuple(range(1, 9))}, {"mlp": 8},
-                            fixed_fraction=0.1, repeat=0.25, fit_repeat=False)
+                            fixed_fraction=0.1, repeat=0.25, fit_repeat=settings.fit_repeat)
   free = _repeat_model(repeat=0.25)
   for owned, speeds in TWO_SPEED_POINTS * 2:
     _observe(cost, owned, speeds)
