@@ -59,6 +59,7 @@ PROFILE = (8.0, 6.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0)
 ROTATING = (8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 SAME_SPEED = 0.9     # oracle speeds all at least this (relative): the cores are equal
 ROUNDS = 3           # runs of every cell, in interleaved rounds
+EMULATED_STEPS = {False: 24, True: 8}   # steps of an emulated run (full, --quick)
 EVALS_PER_RUN = 8    # validation points of every run (the time to reach a loss); 4 with --quick
 CALIBRATION_REPEATS = (0.0, 0.2, 0.4, 0.6)   # repeated work tried by the calibration
 CALIBRATION_STEPS = 30                       # steps of each calibration run (20 with --quick)
@@ -89,12 +90,21 @@ def real_steps(quick: bool, scenario: str) -> int:
   return 32 if quick else (60 if scenario == "none" else 300)
 
 
+def real_schedule_steps(quick: bool) -> int:
+  """Steps of the learning-rate schedule of every real-contention run (the calibration's and
+  the shorter runs without contention included): the schedule is a constant of the compiled
+  step, so one schedule lets every run of a policy reuse the programs its first run compiled
+  (a distinct one cost each policy a second compile of up to 30 s here)."""
+  return max(real_steps(quick, s) for s in SCENARIOS)
+
+
 def real_config(quick: bool, scenario: str = "steady"):
   """gpt_tiny on 2 tensor devices (one per process), sized so compute dominates communication."""
   c = _bench_config("cpu,tensor=2", real_steps(quick, scenario), log_every=20, num_widths=7,
                     quick=quick)
   c.model.d_model, c.model.d_ff, c.model.num_layers = 256, 1024, 2
   c.batch_size = 16       # smaller batches leave the split less to win (collective latency)
+  c.optimizer.schedule_steps = real_schedule_steps(quick)
   c.balance.probe_every = 2   # react within a few steps: the quick bursts last 4 s
   # Up to 896 of 1024 units, in 7 widths of 128: room for the time-balanced split under steady
   # contention (about 900 / 120 at speed 0.38; a proportional split would be 740 / 280).
@@ -106,10 +116,12 @@ def emulated_config(quick: bool, scenario: str):
   """gpt_tiny on 8 fake devices with an emulated slowdown profile. The dynamic policies' big
   bucket compiles 16 widths (every 8 of its 128 MLP units): with 8, a split on widths 16 apart
   left the slowest device a quarter more work than the oracle's split in granules of 8."""
-  c = _bench_config("cpu", 12 if quick else 32, log_every=8, num_widths=16, quick=quick)
+  c = _bench_config("cpu", EMULATED_STEPS[quick], log_every=8, num_widths=16, quick=quick)
   c.model.num_layers = 1
   c.hetero.slowdown = PROFILE if scenario == "static_profile" else ROTATING
-  c.hetero.rotate_every = 0 if scenario == "static_profile" else (4 if quick else 8)
+  # The rotating straggler's run has 4 periods of one straggler (2 with --quick).
+  periods = 2 if quick else 4
+  c.hetero.rotate_every = 0 if scenario == "static_profile" else EMULATED_STEPS[quick] // periods
   return c
 
 
@@ -135,12 +147,18 @@ def policy_config(base, policy: str, oracle_speeds, seed: int | None = None,
 
 
 def round_orders(policies, rounds: int) -> list[list[str]]:
-  """The order of `policies` in each of `rounds` rounds: rotated by about len / rounds positions
-  per round (at least one), so that every policy runs early in one round and late in another."""
+  """The order of `policies` in each of `rounds` rounds: rows of a Williams design, spaced by
+  about len / rounds (at least one), so that every policy runs early in one round and late in
+  another, and follows a different policy in each round (a run that leaves the machine slower
+  or faster, say by its garbage or its competitor's timing, then does not always hit the same
+  next policy). Row r runs policy (first[k] + r) mod n at place k, first = 0, 1, n-1, 2, n-2..."""
   policies = list(policies)
   n = max(len(policies), 1)
+  first = [0]
+  for k in range(1, n):
+    first.append((k + 1) // 2 if k % 2 else n - k // 2)
   shifts = [(r % n if rounds >= n else (r * n) // rounds) for r in range(rounds)]
-  return [policies[s:] + policies[:s] for s in shifts]
+  return [[policies[(f + s) % n] for f in first] for s in shifts] if policies else [[] for _ in shifts]
 
 
 def _root() -> str:

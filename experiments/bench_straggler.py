@@ -29,9 +29,9 @@ from benchmarks import straggler as sb  # noqa: E402
 from semijax.runtime import cli  # noqa: E402
 from semijax.runtime import launch  # noqa: E402
 
-_QUICK = flags.DEFINE_bool("quick", False, "Short runs: 32 steps real, 12 emulated, 4 evaluations "
+_QUICK = flags.DEFINE_bool("quick", False, "Short runs: 32 steps real, 8 emulated, 4 evaluations "
                            "each, a one-pass calibration (else 300 steps, 60 without "
-                           "contention, 32 emulated, 8 evaluations).")
+                           "contention, 24 emulated, 8 evaluations).")
 _OUT = flags.DEFINE_string("out", "results/bench_straggler", "Output directory.")
 _MODE = flags.DEFINE_enum("mode", "all", ["all", "real", "emulated"], "Which part to run.")
 _SCENARIOS = flags.DEFINE_list("scenarios", list(sb.SCENARIOS), "Real-contention scenarios.")

@@ -33,12 +33,19 @@ SEMI = [run(135.0, 2.02, 0, [(3.0, 2.5), (7.0, 2.02)], migrations=1),
 RAW = {"runs": {"steady": {"even": EVEN, "static": STATIC, "semi": SEMI}}}
 
 
-def test_round_orders_rotate_so_that_every_policy_runs_early_and_late():
+def test_round_orders_run_every_policy_early_and_late_after_a_different_policy_each_round():
   orders = sb.round_orders(sb.POLICIES, 3)
   assert [o[0] for o in orders] == ["even", "resize", "offload"]
   assert all(sorted(o) == sorted(sb.POLICIES) for o in orders)
   positions = {p: [o.index(p) for o in orders] for p in sb.POLICIES}
   assert all(min(v) <= 1 and max(v) >= 4 for v in positions.values()), positions
+  # A plain rotation would put every policy after the same one in every round.
+  before = {p: [o[o.index(p) - 1] for o in orders if o.index(p) > 0] for p in sb.POLICIES}
+  assert all(len(set(v)) == len(v) for v in before.values()), before
+  # Over a whole Williams square (rounds = policies) every ordered pair is adjacent once.
+  square = sb.round_orders(sb.POLICIES, len(sb.POLICIES))
+  pairs = [(o[k], o[k + 1]) for o in square for k in range(len(o) - 1)]
+  assert len(pairs) == len(set(pairs)) == len(sb.POLICIES) * (len(sb.POLICIES) - 1)
   assert sb.round_orders(["a", "b"], 1) == [["a", "b"]]
   assert sb.round_orders(["a", "b"], 4) == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
 
@@ -152,3 +159,15 @@ def test_the_oracle_balances_time_with_the_repeated_work():
   # Two idle cores measured with noise: the oracle is the even split.
   assert tuple(sb.policy_config(base, "static", (1.0, 0.95), repeat=0.35).layout.mlp) == (
       512, 512)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_real_run_follows_one_schedule_so_a_policy_compiles_its_steps_once(quick):
+  configs = [sb.real_config(quick, s) for s in sb.SCENARIOS]
+  steps = [c.steps for c in configs]
+  assert {c.optimizer.schedule_steps for c in configs} == {max(steps)}
+  if not quick:
+    assert min(steps) < max(steps)      # the runs without contention are shorter
+  # Runs differ in length only: everything else a compiled step depends on is the same.
+  strip = lambda c: {k: v for k, v in c.to_dict().items() if k not in ("steps", "eval_every")}
+  assert all(strip(c) == strip(configs[0]) for c in configs)
