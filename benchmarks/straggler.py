@@ -158,7 +158,9 @@ def round_orders(policies, rounds: int) -> list[list[str]]:
   for k in range(1, n):
     first.append((k + 1) // 2 if k % 2 else n - k // 2)
   shifts = [(r % n if rounds >= n else (r * n) // rounds) for r in range(rounds)]
-  return [[policies[(f + s) % n] for f in first] for s in shifts] if policies else [[] for _ in shifts]
+  if not policies:
+    return [[] for _ in shifts]
+  return [[policies[(f + s) % n] for f in first] for s in shifts]
 
 
 def _root() -> str:
