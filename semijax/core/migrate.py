@@ -549,7 +549,7 @@ class Migrator:
     axes_leaves = jax.tree.leaves(axes)
     # Leaves that do not move are shared by the input and the output when the input is consumed;
     # otherwise copied, so that donating one tree later never deletes the other's buffers.
-    out = list(leaves) if donate else [x.copy() for x in leaves]
+    out = list(leaves) if donate else _copy_leaves(leaves)
     for group in groups:
       with warnings.catch_warnings():
         # A group whose capacity changes cannot reuse its donated buffers for the output; it is
@@ -566,6 +566,20 @@ class Migrator:
   def migrate_state(self, state, moves: Moves, tx, axes):
     """Migrates an engine `TrainState` (parameters and every parameter-shaped optimizer leaf)."""
     return self(state, state_axes(state, tx, axes), moves)
+
+
+def _copy_leaves(leaves: list) -> list:
+  """Fresh copies of `leaves`, each with its leaf's sharding, in one program. A copy per leaf
+  (`x.copy()`) dispatched one small program per leaf: on XLA:CPU with 8 devices in one process
+  such a burst now and then left a collective's device threads waiting until XLA aborted the
+  process (README, "Two commands")."""
+  return _copier(tuple(x.sharding for x in leaves))(leaves)
+
+
+@functools.lru_cache(maxsize=32)
+def _copier(shardings: tuple):
+  """The jitted copy of leaves with `shardings` (one per leaf; the outputs keep them)."""
+  return jax.jit(lambda leaves: [jnp.copy(x) for x in leaves], out_shardings=list(shardings))
 
 
 def leaf_groups(tree, axes, kinds=layout_lib.KINDS, *, by_leaf: bool = False) -> list[list[int]]:
