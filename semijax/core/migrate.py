@@ -569,11 +569,20 @@ class Migrator:
 
 
 def _copy_leaves(leaves: list) -> list:
-  """Fresh copies of `leaves`, each with its leaf's sharding, in one program. A copy per leaf
-  (`x.copy()`) dispatched one small program per leaf: on XLA:CPU with 8 devices in one process
-  such a burst now and then left a collective's device threads waiting until XLA aborted the
-  process (README, "Two commands")."""
-  return _copier(tuple(x.sharding for x in leaves))(leaves)
+  """Fresh copies of `leaves`, each with its leaf's sharding, in one program per set of devices
+  (a tree may mix leaves on the mesh with leaves on one device). A copy per leaf (`x.copy()`)
+  dispatched one small program per leaf: on XLA:CPU with 8 devices in one process such a burst
+  now and then left a collective's device threads waiting until XLA aborted the process
+  (README, "Two commands")."""
+  by_devices: dict = {}
+  for i, x in enumerate(leaves):
+    by_devices.setdefault(frozenset(d.id for d in x.sharding.device_set), []).append(i)
+  out = list(leaves)
+  for group in by_devices.values():
+    part = [leaves[i] for i in group]
+    for i, y in zip(group, _copier(tuple(x.sharding for x in part))(part)):
+      out[i] = y
+  return out
 
 
 @functools.lru_cache(maxsize=32)
