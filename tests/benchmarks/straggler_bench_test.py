@@ -162,7 +162,7 @@ def test_the_oracle_balances_time_with_the_repeated_work():
 
 
 @pytest.mark.parametrize("quick", [False, True])
-def test_every_real_run_follows_one_schedule_so_a_policy_compiles_its_steps_once(quick):
+def test_every_real_run_follows_one_schedule_and_differs_only_in_length(quick):
   configs = [sb.real_config(quick, s) for s in sb.SCENARIOS]
   steps = [c.steps for c in configs]
   assert {c.optimizer.schedule_steps for c in configs} == {max(steps)}
