@@ -72,10 +72,13 @@ def build_emulator(run: config_lib.RunConfig) -> emulation.Emulator | None:
 
 
 def _cached_engine(run: config_lib.RunConfig, cache: dict | None) -> engine_lib.Engine:
-  """A new engine, or one of `cache` whose model, mesh, optimizer and emulation match."""
+  """A new engine, or one of `cache` whose model, mesh, optimizer (schedule included) and batch
+  match. Runs of different lengths on one schedule share an engine and its compiled steps."""
   if cache is None:
     return build_engine(run)
-  key = (run.model, run.mesh, run.optimizer, run.steps, run.batch_size)
+  schedule = optimizer_lib.schedule_length(run.optimizer, run.steps)
+  key = (run.model, run.mesh, dataclasses.replace(run.optimizer, schedule_steps=schedule),
+         run.batch_size)
   if key not in cache:
     cache[key] = build_engine(run)
   return cache[key]

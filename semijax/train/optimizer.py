@@ -56,9 +56,14 @@ class OptimizerSpec:
     return self
 
 
+def schedule_length(spec: OptimizerSpec, steps: int) -> int:
+  """Steps of the learning-rate schedule of a run of `steps` steps."""
+  return spec.schedule_steps or steps
+
+
 def learning_rate_schedule(spec: OptimizerSpec, steps: int) -> optax.Schedule:
   """Linear warmup, then cosine decay to a tenth over `spec.schedule_steps` (or `steps`)."""
-  steps = spec.schedule_steps or steps
+  steps = schedule_length(spec, steps)
   warmup = min(spec.warmup_steps, steps - 1)
   return optax.warmup_cosine_decay_schedule(0.0, spec.learning_rate, warmup, steps,
                                             spec.learning_rate * 0.1)
