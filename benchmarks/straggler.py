@@ -93,9 +93,8 @@ def real_steps(quick: bool, scenario: str) -> int:
 def real_schedule_steps(quick: bool) -> int:
   """Steps of the learning-rate schedule of every real-contention run (the calibration's and
   the shorter runs without contention included): the schedule is a constant of the compiled
-  step, so one schedule is what lets every run of a policy reuse its first run's programs. It
-  is not enough yet: `train.loop`'s engine cache keys on `run.steps`, so the 60-step runs
-  still build (and compile) their own engine."""
+  step, so one schedule is what lets every run of a policy reuse its first run's programs
+  (`train.loop`'s engine cache keys on the schedule's length, not on the run's steps)."""
   return max(real_steps(quick, s) for s in SCENARIOS)
 
 
