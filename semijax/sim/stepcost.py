@@ -28,7 +28,8 @@ collectives). The replicas are combined by a data-parallel strategy (`semijax.si
 for synchronous data parallelism, the slowest replica plus a ring all-reduce of the gradients.
 
 Everything is numpy over [R, S, T, L] at once: one step of 4,096 devices costs well under a
-millisecond of host time.
+millisecond of host time. A model keeps the replica times of inputs it has seen
+(`MEMO_ENTRIES`): a run's steps repeat a few splits and speeds, so a replay computes each once.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ OVERHEADS = {"branched": "branch_overhead", "resized": "resize_overhead",
              "offload": "offload_overhead"}
 # Speeds at or above this are a device at full speed (no competitor on its core).
 FULL_SPEED = 1.0 - 1e-9
+# Most distinct inputs of `StepModel.step` whose replica times a model keeps: a run's steps
+# repeat a few splits and speeds, and recomputing them was most of a replay's host time.
+MEMO_ENTRIES = 4096
+
+
+def _key(x) -> tuple:
+  """A hashable, exact key of an array or scalar: its dtype, shape and bytes."""
+  a = np.asarray(x)
+  return a.dtype.str, a.shape, a.tobytes()
 
 
 def shared_finish(per: np.ndarray, free: np.ndarray, speedup: float) -> np.ndarray:
@@ -100,6 +110,7 @@ class StepModel:
                idle_feature: bool = False):
     self.workload, self.cluster, self.hw, self.strategy = workload, cluster, hardware, strategy
     self.idle_feature = idle_feature
+    self._memo: dict = {}      # `step`'s replica times by its inputs (`_replica_times`)
     s, n_layers = cluster.pipe, workload.spec.num_layers
     if layers is None:
       base, rem = divmod(n_layers, s)
@@ -186,6 +197,22 @@ class StepModel:
       extra_s: float [S] or scalar, per-step seconds of a stage outside its blocks (offload
         traffic), paid once per step.
     """
+    key = (tuple(kinds), _key(speeds), _key(link_factors), _key(extra_s),
+           *((k, _key(w)) for k, w in sorted(widths.items())))
+    terms = self._memo.get(key)
+    if terms is None:
+      terms = self._replica_times(widths, kinds, speeds, link_factors, extra_s)
+      if len(self._memo) < MEMO_ENTRIES:
+        self._memo[key] = terms
+    replicas, sync, features = terms
+    seconds, sync_s = self.strategy.combine(replicas, sync)   # (a strategy may keep state)
+    return StepTime(float(seconds), replicas, float(sync_s), features)
+
+  def _replica_times(self, widths: dict, kinds, speeds: np.ndarray, link_factors: np.ndarray,
+                     extra_s) -> tuple[np.ndarray, float, np.ndarray]:
+    """(replicas float [R], the data-parallel all-reduce's seconds, features float [7]) of
+    `step`, whose arguments it takes; both arrays read-only (`step` shares them between the
+    steps of equal inputs)."""
     f = self.factors(kinds)                                              # [S]
     blocks = self.block_seconds(widths, speeds)                          # [R, S]
     full, idle = self.idle_parts(widths, speeds, blocks)                 # [R, S] each
@@ -198,7 +225,6 @@ class StepModel:
     wait = 1.0 - speeds.min(axis=(1, 2))                                 # [R]
     replicas = pipeline + update + self.hw.step_overhead_s + self.hw.contention_wait_s * wait
     sync = cluster_lib.data_ring_s(self.cluster, self.hw, self.gradient_bytes(), link_factors)
-    seconds, sync_s = self.strategy.combine(replicas, sync)
     # What a fit of the constants needs: the slowest replica's terms by coefficient (exact for
     # one stage; with a pipeline the microbatch count stands in for its schedule).
     r = int(np.argmax(replicas))
@@ -207,7 +233,9 @@ class StepModel:
     compute = full[r].sum() + (self.repeated_s / slowest[r]).sum()
     features = scale * np.array([1.0 / scale, compute, *by_kind, -(f * idle[r]).sum(),
                                  wait[r] / scale])
-    return StepTime(float(seconds), replicas, float(sync_s), features)
+    replicas.setflags(write=False)
+    features.setflags(write=False)
+    return replicas, float(sync), features
 
   def idle_parts(self, widths: dict, speeds: np.ndarray, blocks: np.ndarray):
     """(full, idle), float [R, S] each: `blocks` (at `Hardware.idle_speedup` a) is

@@ -108,6 +108,31 @@ def test_a_slow_device_slows_its_blocks_and_the_repeated_work_only():
   assert slow - fast == pytest.approx(scaled, rel=1e-9)            # exactly those, twice as long
 
 
+def test_repeated_steps_reuse_their_terms_and_still_call_the_strategy():
+  # `step` keeps the replica times of inputs it has seen: equal to a fresh model's, keyed by
+  # value (an array changed in place is new input), and the strategy still sees every step.
+  rng = np.random.default_rng(7)
+  w = small_workload()
+  c = cluster_lib.Cluster(3, 2, 4)
+  model = stepcost.StepModel(w, c, HW, strategies.make("ssaw"))
+  widths = {k: rng.integers(1, 30, (2, 4, 2)).astype(float) for k in ("mlp", "heads")}
+  speeds = rng.uniform(0.2, 1.0, (3, 2, 4))
+  fresh = lambda: stepcost.StepModel(w, c, HW, strategies.make("ssaw")).step(
+      widths, ["branched", "single"], speeds, np.ones(1))
+  first = model.step(widths, ["branched", "single"], speeds, np.ones(1))
+  again = model.step(widths, ["branched", "single"], speeds, np.ones(1))
+  assert again.seconds == first.seconds == fresh().seconds
+  np.testing.assert_array_equal(again.features, fresh().features)
+  assert len(model.strategy.staleness) == 2 and len(model._memo) == 1
+  widths["mlp"][0, 1, 0] += 5.0                                   # in place: another step
+  speeds[1, 0, 2] = 0.1
+  moved = model.step(widths, ["branched", "single"], speeds, np.ones(1))
+  assert moved.seconds == fresh().seconds != first.seconds
+  assert len(model._memo) == 2
+  with pytest.raises(ValueError):
+    moved.features[0] = 0.0                                       # shared: read-only
+
+
 def test_shared_cores_charge_the_summed_work():
   w = small_workload(1)
   c = cluster_lib.Cluster(1, 1, 4)
