@@ -44,6 +44,7 @@ from semijax.core import mesh as mesh_lib
 from semijax.core import tp
 from semijax.runtime import contention
 from semijax.runtime import distributed
+from semijax.runtime import hostcpu
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import loop as train
@@ -152,7 +153,8 @@ def _plan(engine, layout, single: bool):
 
 def measure_split(engine, run, batch, split: str, *, steps: int, profile_dir: str) -> dict:
   """This process's figures for one split: wall and CPU seconds per step (median of `steps`
-  timed steps), and the profile of `steps` more by part."""
+  timed steps), the host's steal share while they ran (`hostcpu`; None off Linux), and the
+  profile of `steps` more by part."""
   layout = run.layout
   plan = _plan(engine, layout, SPLITS[split][1])
   state = engine.init(run.seed, layout)
@@ -164,12 +166,14 @@ def measure_split(engine, run, batch, split: str, *, steps: int, profile_dir: st
   for _ in range(3):                                 # warm: caches, first runs
     state, m = engine.train_step(state, batch, plan)
     float(m["loss"])
+  meter = hostcpu.StealMeter()
   for _ in range(steps):
     t, c = time.perf_counter(), time.process_time()
     state, m = engine.train_step(state, batch, plan)
     float(m["loss"])
     walls.append(time.perf_counter() - t)
     cpus.append(time.process_time() - c)
+  steal = meter.share()
   shutil.rmtree(profile_dir, ignore_errors=True)
   with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
     t = time.perf_counter()
@@ -181,7 +185,7 @@ def measure_split(engine, run, batch, split: str, *, steps: int, profile_dir: st
   by_part = parts(times, hlo, steps)
   shutil.rmtree(profile_dir, ignore_errors=True)
   wall_ms = 1e3 * float(np.median(walls))
-  return {"wall_ms": wall_ms, "cpu_ms": 1e3 * float(np.median(cpus)),
+  return {"wall_ms": wall_ms, "cpu_ms": 1e3 * float(np.median(cpus)), "host_steal": steal,
           "profiled_wall_ms": 1e3 * profiled_s, "parts_ms": by_part,
           "unattributed_ms": max(0.0, 1e3 * profiled_s - sum(by_part.values())),
           "top_ops": top_ops(times, hlo, steps),
@@ -250,11 +254,15 @@ def branched_cost(merged: dict) -> dict:
   return out
 
 
+def _share(v: float | None) -> str:
+  return "–" if v is None else f"{v:.0%}"
+
+
 def markdown(merged: dict) -> str:
   """One row per (scenario, split, process): milliseconds per step by part."""
   lines = ["| scenario | split (MLP units) | process | step wall ms | CPU ms | "
-           + " | ".join(PARTS) + " | unattributed (host, idle) |",
-           "|" + "---|" * (5 + len(PARTS) + 1)]
+           + " | ".join(PARTS) + " | unattributed (host, idle) | host steal |",
+           "|" + "---|" * (5 + len(PARTS) + 2)]
   for scenario, splits in merged.items():
     for split, procs in splits.items():
       for proc, r in sorted(procs.items()):
@@ -262,5 +270,5 @@ def markdown(merged: dict) -> str:
         lines.append(f"| {scenario} | {split} ({counts}) | {proc[-1]} | {r['wall_ms']:.1f} "
                      f"| {r['cpu_ms']:.1f} | "
                      + " | ".join(f"{r['parts_ms'][p]:.1f}" for p in PARTS)
-                     + f" | {r['unattributed_ms']:.1f} |")
+                     + f" | {r['unattributed_ms']:.1f} | {_share(r.get('host_steal'))} |")
   return "\n".join(lines) + "\n"

@@ -20,6 +20,7 @@ import tempfile
 import numpy as np
 
 from benchmarks import report
+from semijax.runtime import hostcpu
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 
@@ -106,10 +107,15 @@ def plot(results: dict, path: str, title: str = "") -> str | None:
 
 
 def main(steps: int, slow_device: int, factor: float, out_dir: str) -> dict:
-  """Runs all three, writes demo.json, demo.md and step_time.png to out_dir; returns the payload."""
+  """Runs all three, writes demo.json, demo.md and step_time.png to out_dir; returns the payload
+  (with the host's steal share over the three runs, `hostcpu`)."""
   cfgs = configs(steps, slow_device, factor)
+  meter = hostcpu.StealMeter()
   results = {name: run(name, c) for name, c in cfgs.items()}
   payload, table = summarize(results, cfgs)
+  payload["host_steal"] = meter.share()
+  note = hostcpu.describe(payload["host_steal"])
+  table += f"{note}\n" if note else ""
   paths = report.write(out_dir, "demo", payload, table)
   png = plot(results, os.path.join(out_dir, "step_time.png"),
              f"GPT on {NUM_DEVICES} devices, device {slow_device} {factor:g}x slower")

@@ -48,6 +48,7 @@ from semijax.balance import speed
 from semijax.core import layout as layout_lib
 from semijax.runtime import contention
 from semijax.runtime import distributed
+from semijax.runtime import hostcpu
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 from semijax.train import metrics as metrics_lib
@@ -204,7 +205,7 @@ def _run_record(summary: dict, workdir: str, extra: dict) -> dict:
 
 def _print_run(scenario: str, policy: str, r: int, record: dict) -> None:
   print(f"[bench] round {r} {scenario:14s} {policy:8s} {record['tokens_per_s']:9.1f} tok/s  "
-        f"val {record['final_val_loss']:.4f}", flush=True)
+        f"val {record['final_val_loss']:.4f}{_steal_note(record.get('host_steal'))}", flush=True)
 
 
 def _persistent_cache(out: str) -> None:
@@ -243,7 +244,8 @@ def _contended_run(config, workdir: str, cache: dict, core: int, scenario: str, 
                    off_s: float, on_start=None):
   """Trains `config` in `workdir` with the competitor of `scenario` on `core` from the end of
   warm-up to the end of the run (started by process 0; `on_start`, if given, is called there
-  too); returns (summary, injector or None)."""
+  too); returns (summary, injector or None, the host's steal share during the run or None:
+  `hostcpu`)."""
   injector = None
   if jax.process_index() == 0 and scenario != "none":
     injector = contention.Injector(core, "steady" if scenario == "steady" else "bursts",
@@ -255,12 +257,13 @@ def _contended_run(config, workdir: str, cache: dict, core: int, scenario: str, 
     if on_start is not None:
       on_start()
 
+  meter = hostcpu.StealMeter()
   try:
     summary = train.train_and_evaluate(config, workdir, engine_cache=cache, after_warmup=start)
   finally:
     if injector is not None:
       injector.stop()
-  return summary, injector
+  return summary, injector, meter.share()
 
 
 def split_counts(units: int, speeds, repeat: float) -> tuple[int, ...]:
@@ -273,10 +276,10 @@ def split_counts(units: int, speeds, repeat: float) -> tuple[int, ...]:
 
 
 def _timed_split(out: str, base, counts: dict, name: str, cache: dict, core: int,
-                 pattern: str, sched, steps: int) -> tuple[float, np.ndarray | None]:
+                 pattern: str, sched, steps: int) -> tuple[float, np.ndarray | None, float | None]:
   """(median step seconds, the most of any process; relative device times while it trained, or
-  None without scheduler stats) of a short `static` run of `counts` {kind: (fast, slow)} with
-  the competitor `pattern`, identical on every process."""
+  None without scheduler stats; the host's steal share, or None) of a short `static` run of
+  `counts` {kind: (fast, slow)} with the competitor `pattern`, identical on every process."""
   c = copy.deepcopy(base)
   c.steps, c.eval_every, c.balance.policy = steps, steps, "static"
   for kind, split in counts.items():
@@ -284,14 +287,14 @@ def _timed_split(out: str, base, counts: dict, name: str, cache: dict, core: int
   workdir = os.path.join(out, "runs", "calibration", name)
   if jax.process_index() == 0 and os.path.exists(workdir):
     shutil.rmtree(workdir)
-  summary, _ = _contended_run(c, workdir, cache, core, pattern, 1.0, 1.0,
-                              on_start=None if sched is None else sched.warm_up)
+  summary, _, steal = _contended_run(c, workdir, cache, core, pattern, 1.0, 1.0,
+                                     on_start=None if sched is None else sched.warm_up)
   # Every process times its own steps: share the slowest process's median (and the scheduler's
   # shares), so that every process picks the same split from identical numbers.
   seconds = float(np.median(summary["step_times_s"][steps // 5:]))
   every, seconds = speed.gather_times({} if sched is None else sched.measure(), extra=seconds)
   relative = None if sched is None else np.array([every[i] for i in sorted(every)])
-  return seconds, relative
+  return seconds, relative, steal
 
 
 def _probe_times(base, core: int) -> dict:
@@ -319,37 +322,49 @@ def calibrate(out: str, base, cache: dict, core: int, quick: bool = False) -> di
 
   Returns:
     {"repeat", "times": {"none" | "steady": relative device times [N]},
-     "candidates": {repeat: {"counts", "seconds": [...]}}}.
+     "candidates": {repeat: {"counts", "seconds": [...]}},
+     "host_steal": {run name: the host's steal share during it, or None}}.
   """
   steps, passes = (20, 1) if quick else (CALIBRATION_STEPS, CALIBRATION_PASSES)
   units = config_lib.validate(base, jax.device_count(), jax.process_count()).model.num_units()
   even = {k: layout_lib.even_counts(u, 2) for k, u in units.items()}
   sched = speed.SchedShare() if speed.SchedShare.available() else None
   probe_times = None if sched is not None else _probe_times(base, core)
-  times = {}
+  times, steals = {}, {}
   for pattern in ("none", "steady"):
-    seconds, relative = _timed_split(out, base, even, f"even_{pattern}", cache, core, pattern,
-                                     sched, steps)
+    name = f"even_{pattern}"
+    seconds, relative, steals[name] = _timed_split(out, base, even, name, cache, core, pattern,
+                                                   sched, steps)
     times[pattern] = relative if relative is not None else np.asarray(probe_times[pattern])
     print(f"[bench] calibration: even split, {pattern}: {seconds * 1e3:.1f} ms/step, speeds "
-          f"{np.round(times[pattern].min() / times[pattern], 3).tolist()}", flush=True)
+          f"{np.round(times[pattern].min() / times[pattern], 3).tolist()}"
+          f"{_steal_note(steals[name])}", flush=True)
   speeds = times["steady"].min() / times["steady"]
   candidates = {r: {"counts": {k: split_counts(u, speeds, r) for k, u in units.items()},
                     "seconds": []} for r in CALIBRATION_REPEATS}
   for p in range(passes):
     for r in CALIBRATION_REPEATS[::1 if p % 2 == 0 else -1]:
-      cand = candidates[r]
-      seconds, _ = _timed_split(out, base, cand["counts"], f"{p}_repeat{r}", cache, core,
-                                "steady", sched, steps)
+      cand, name = candidates[r], f"{p}_repeat{r}"
+      seconds, _, steals[name] = _timed_split(out, base, cand["counts"], name, cache, core,
+                                              "steady", sched, steps)
       cand["seconds"].append(round(seconds, 5))
       print(f"[bench] calibration: repeat {r:.2f} split {cand['counts']}: "
-            f"{seconds * 1e3:.1f} ms/step", flush=True)
+            f"{seconds * 1e3:.1f} ms/step{_steal_note(steals[name])}", flush=True)
   repeat = min(CALIBRATION_REPEATS, key=lambda r: float(np.median(candidates[r]["seconds"])))
   print(f"[bench] repeated work: {repeat:.2f} of the block work per device "
         f"(the fastest time-balanced split under steady contention)", flush=True)
+  worst = max((v for v in steals.values() if v is not None), default=None)
+  if hostcpu.warning(worst):
+    print(f"[bench] warning: {hostcpu.describe(worst, 'the worst calibration run')}", flush=True)
   return {"repeat": repeat, "times": {k: v.tolist() for k, v in times.items()},
           "candidates": {str(r): {"counts": {k: list(v) for k, v in c["counts"].items()},
-                                  "seconds": c["seconds"]} for r, c in candidates.items()}}
+                                  "seconds": c["seconds"]} for r, c in candidates.items()},
+          "host_steal": steals}
+
+
+def _steal_note(steal: float | None) -> str:
+  """", host steal N%" for a console line, or "" where the host reports no steal time."""
+  return "" if steal is None else f", host steal {steal:.0%}"
 
 
 def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, off_s: float,
@@ -380,8 +395,9 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
         workdir = os.path.join(out, "runs", scenario, policy, f"round{r}")
         if jax.process_index() == 0 and os.path.exists(workdir):
           shutil.rmtree(workdir)
-        summary, injector = _contended_run(config, workdir, cache, core, scenario, on_s, off_s)
-        extra = {"round": r, "position": position, "seed": config.seed,
+        summary, injector, steal = _contended_run(config, workdir, cache, core, scenario, on_s,
+                                                  off_s)
+        extra = {"round": r, "position": position, "seed": config.seed, "host_steal": steal,
                  "contention": None if injector is None else injector.to_json()}
         record = _run_record(summary, workdir, extra)
         runs[scenario][policy].append(record)
@@ -417,9 +433,11 @@ def run_emulated(out: str, *, quick: bool, scenarios, policies, rounds: int = RO
         config = policy_config(base, policy, speeds[scenario], seed=base.seed + r)
         workdir = os.path.join(out, "runs", scenario, policy, f"round{r}")
         shutil.rmtree(workdir, ignore_errors=True)
+        meter = hostcpu.StealMeter()
         summary = train.train_and_evaluate(config, workdir, engine_cache=cache)
         record = _run_record(summary, workdir, {"round": r, "position": position,
-                                                "seed": config.seed})
+                                                "seed": config.seed,
+                                                "host_steal": meter.share()})
         runs[scenario][policy].append(record)
         _print_run(scenario, policy, r, record)
         with open(os.path.join(out, "emulated_raw.json"), "w") as f:
@@ -515,6 +533,7 @@ def summarize_cell(runs: list, even: list, oracle: list) -> dict:
               if even_reach.get(k)]
   typical = median_run(runs)
   tps_med = median(tps)
+  steals = [r["host_steal"] for r in runs if r.get("host_steal") is not None]
   ratio = lambda a, b: a / b if a is not None and b else None
   return {
       "tokens_per_s": tps_med, "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
@@ -534,10 +553,12 @@ def summarize_cell(runs: list, even: list, oracle: list) -> dict:
       "decisions": median([r["decisions"] for r in runs]),
       "measure_overhead": median([r["measure_overhead"] for r in runs
                                   if r.get("measure_overhead") is not None]),
+      "host_steal": median(steals), "host_steal_max": max(steals, default=None),
       "final_counts": typical.get("final_counts"), "changes": typical.get("changes", []),
       "runs": [{"round": r.get("round", i), "position": r.get("position"), "seed": r.get("seed"),
                 "tokens_per_s": r["tokens_per_s"], "final_val_loss": r["final_val_loss"],
-                "time_to_even_loss_s": t, "migrations": r["migrations"],
+                "time_to_even_loss_s": t, "host_steal": r.get("host_steal"),
+                "migrations": r["migrations"],
                 "compiles_after_warmup": r["compiles_after_warmup"],
                 "final_counts": r.get("final_counts")}
                for i, (r, t) in enumerate(zip(runs, reach))]}
@@ -562,12 +583,34 @@ def noise(results: dict) -> dict:
           if "even" in cells}
 
 
+def host_steal(results: dict) -> dict:
+  """{scenario: {"median", "max"}}: the share of the host's CPU time the hypervisor took
+  (`hostcpu`) during the runs of every policy of each scenario; scenarios whose runs have no
+  steal figure (not Linux) are left out."""
+  out = {}
+  for scenario, cells in results.items():
+    steals = [r["host_steal"] for c in cells.values() for r in c["runs"]
+              if r.get("host_steal") is not None]
+    if steals:
+      out[scenario] = {"median": median(steals), "max": max(steals)}
+  return out
+
+
 def noise_line(results: dict) -> str:
-  """One markdown line: the spread of the repeated `even` runs of every scenario."""
+  """One markdown line: the spread of the repeated `even` runs of every scenario, and the
+  host's steal share during the runs, with a warning where it passed `hostcpu.STEAL_WARN`."""
   parts = [f"{s} {'–' if v is None else format(v, '.0%')}" for s, v in noise(results).items()]
   runs = max((len(c["even"]["runs"]) for c in results.values() if "even" in c), default=0)
-  return (f"- noise: `even` ran {runs}x per scenario; its tokens/s spread (max / min - 1): "
+  line = (f"- noise: `even` ran {runs}x per scenario; its tokens/s spread (max / min - 1): "
           f"{', '.join(parts)}. Ratios are of medians; paired ratios compare runs of one round.")
+  steal = host_steal(results)
+  if steal:
+    line += ("\n- host: the hypervisor took this share of the host's CPU time during the runs "
+             "(median, max): " + ", ".join(f"{s} {v['median']:.0%}, {v['max']:.0%}"
+                                          for s, v in steal.items()) + ".")
+    alarm = hostcpu.warning(max(v["max"] for v in steal.values()))
+    line += f" **{alarm}**" if alarm else ""
+  return line
 
 
 def _fmt(v, f: str) -> str:
@@ -578,8 +621,8 @@ def markdown(results: dict, title: str) -> str:
   lines = [f"### {title}", "",
            "| scenario | policy | tokens/s (median) | spread | vs even | paired vs even "
            "| vs oracle | paired vs oracle | s to even's loss (even's s / it) | val loss (mean) "
-           "| vs even | compiles after warm-up | migrations |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| vs even | compiles after warm-up | migrations | host steal |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for scenario, runs in results.items():
     for policy, r in runs.items():
       reached = r["reached_even_loss"]
@@ -592,7 +635,8 @@ def markdown(results: dict, title: str) -> str:
           f"| {_fmt(r['paired_ratio_vs_even'], '.2f')} | {_fmt(r['ratio_vs_oracle'], '.2f')} "
           f"| {_fmt(r['paired_ratio_vs_oracle'], '.2f')} | {reach} "
           f"| {r['final_val_loss_mean']:.4f} | {_fmt(r['mean_val_loss_vs_baseline'], '+.2%')} "
-          f"| {r['compiles_after_warmup']} | {_fmt(r['migrations'], 'g')} |")
+          f"| {r['compiles_after_warmup']} | {_fmt(r['migrations'], 'g')} "
+          f"| {_fmt(r.get('host_steal'), '.0%')} |")
   return "\n".join(lines) + "\n"
 
 

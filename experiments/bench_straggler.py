@@ -92,6 +92,7 @@ def main(argv):
     results["scenarios"] = sb.summarize(raw)
     results["noise"] = sb.noise(results["scenarios"])
     results["noise_spread_none"] = results["noise"].get("none")
+    results["host_steal"] = sb.host_steal(results["scenarios"])
     results["speeds"] = raw["speeds"]
     results["bursts"] = raw["bursts"]
     results["orders"] = raw["orders"]
@@ -108,6 +109,7 @@ def main(argv):
       raw = json.load(f)
     results["emulated"] = sb.summarize(raw)
     results["emulated_noise"] = sb.noise(results["emulated"])
+    results["emulated_host_steal"] = sb.host_steal(results["emulated"])
     sb.plot(raw, os.path.join(out, "emulated.png"), "gpt_tiny, 8 fake devices, emulated slowdown")
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=1)

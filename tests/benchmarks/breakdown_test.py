@@ -62,12 +62,16 @@ def test_categories_and_parts_per_step():
 
 
 def test_branched_cost_and_table():
-  r = lambda wall, cpu: {"wall_ms": wall, "cpu_ms": cpu, "unattributed_ms": 2.0,
-                         "parts_ms": dict.fromkeys(bd.PARTS, 1.0), "mlp_counts": [768, 256]}
+  r = lambda wall, cpu, steal=0.25: {"wall_ms": wall, "cpu_ms": cpu, "unattributed_ms": 2.0,
+                                      "parts_ms": dict.fromkeys(bd.PARTS, 1.0),
+                                      "mlp_counts": [768, 256], "host_steal": steal}
   merged = bd.merge([{"none": {"oracle": r(110.0, 100.0), "oracle_single": r(100.0, 98.0)}},
-                     {"none": {"oracle": r(111.0, 60.0), "oracle_single": r(101.0, 99.0)}}])
+                     {"none": {"oracle": r(111.0, 60.0), "oracle_single": r(101.0, 99.0, None)}}])
   cost = bd.branched_cost(merged)["none"]
   assert cost == pytest.approx({"wall": 1.1, "cpu": 100 / 98})
   table = bd.markdown(merged)
-  assert ("| none | oracle (768/256) | 1 | 111.0 | 60.0 | 1.0 | 1.0 | 1.0 | 1.0 | 1.0 | 2.0 |"
+  assert ("| none | oracle (768/256) | 1 | 111.0 | 60.0 | 1.0 | 1.0 | 1.0 | 1.0 | 1.0 | 2.0 | 25% |"
           in table)
+  last = table.splitlines()[-1]                 # process 1 of oracle_single: no steal figure
+  assert last.startswith("| none | oracle_single (768/256) | 1 | 101.0 |")
+  assert last.endswith("| 2.0 | – |")

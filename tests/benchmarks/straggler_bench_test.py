@@ -7,13 +7,13 @@ import pytest
 from benchmarks import straggler as sb
 
 
-def run(tps, loss, round_, curve=None, migrations=0, compiles=0):
+def run(tps, loss, round_, curve=None, migrations=0, compiles=0, steal=None):
   """A raw run: `curve` [(seconds, loss), ...] (default: one point at 10 s, the final loss)."""
   curve = curve if curve is not None else [(10.0, loss)]
   return {"tokens_per_s": tps, "final_val_loss": loss, "compiles_after_warmup": compiles,
           "migrations": migrations, "decisions": 3, "measure_overhead": 0.01,
           "final_counts": {"mlp": [1, 1]}, "changes": [], "round": round_, "position": 0,
-          "seed": round_, "step_times_s": [0.1] * 4,
+          "seed": round_, "step_times_s": [0.1] * 4, "host_steal": steal,
           "val_curve": [[t, 10 * (i + 1), v] for i, (t, v) in enumerate(curve)]}
 
 
@@ -127,11 +127,32 @@ def test_noise_is_the_spread_of_the_repeated_even_runs():
   assert "`even` ran 3x per scenario" in line and "steady 73%" in line
 
 
+def test_host_steal_per_cell_and_scenario_and_a_warning_above_the_threshold():
+  even = [run(100.0, 2.0, 0, steal=0.01), run(98.0, 2.0, 1, steal=0.02)]
+  quiet = {"runs": {"none": {"even": even,
+                             "semi": [run(99.0, 2.0, 0, steal=0.0), run(97.0, 2.0, 1)]}}}
+  results = sb.summarize(quiet)
+  semi = results["none"]["semi"]
+  assert semi["host_steal"] == 0.0 and semi["host_steal_max"] == 0.0   # the run without a figure
+  assert [r["host_steal"] for r in semi["runs"]] == [0.0, None]        # is left out
+  assert sb.host_steal(results) == {"none": {"median": pytest.approx(0.01), "max": 0.02}}
+  line = sb.noise_line(results)
+  assert "none 1%, 2%" in line and "Above" not in line
+  assert "| none | semi | 98 |" in sb.markdown(results, "t")
+  assert sb.markdown(results, "t").splitlines()[-1].endswith("| 0% |")
+  noisy = sb.summarize({"runs": {"steady": {"even": [run(100.0, 2.0, 0, steal=0.3)]}}})
+  assert "steady 30%, 30%. **Above 5%, the ratios measure the host" in sb.noise_line(noisy)
+  # Without steal figures (not Linux) nothing is said about the host.
+  bare = sb.summarize(RAW)
+  assert sb.host_steal(bare) == {} and "host" not in sb.noise_line(bare)
+  assert bare["steady"]["semi"]["host_steal"] is None
+
+
 def test_markdown_and_target_lines():
   results = sb.summarize(RAW)
   table = sb.markdown(results, "t")
   assert ("| steady | semi | 130 | 105% | 1.30 | 1.25 | 0.93 | 0.90 | 14.0 (1.14x) | 2.0400 "
-          "| +0.33% | 0 | 1 |") in table
+          "| +0.33% | 0 | 1 | – |") in table
   assert "| steady | even | 100 | 73% | 1.00 | 1.00 |" in table
   lines = sb.target_lines({"scenarios": results})
   assert ("- steady: semi vs oracle (ratio_vs_oracle) = 0.93, paired 0.90 (target >= 0.95): "
