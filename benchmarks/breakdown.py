@@ -37,6 +37,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks import report
 from benchmarks import straggler
 from semijax.core import kernels
 from semijax.core import layout as layout_lib
@@ -254,10 +255,6 @@ def branched_cost(merged: dict) -> dict:
   return out
 
 
-def _share(v: float | None) -> str:
-  return "–" if v is None else f"{v:.0%}"
-
-
 def markdown(merged: dict) -> str:
   """One row per (scenario, split, process): milliseconds per step by part."""
   lines = ["| scenario | split (MLP units) | process | step wall ms | CPU ms | "
@@ -270,5 +267,6 @@ def markdown(merged: dict) -> str:
         lines.append(f"| {scenario} | {split} ({counts}) | {proc[-1]} | {r['wall_ms']:.1f} "
                      f"| {r['cpu_ms']:.1f} | "
                      + " | ".join(f"{r['parts_ms'][p]:.1f}" for p in PARTS)
-                     + f" | {r['unattributed_ms']:.1f} | {_share(r.get('host_steal'))} |")
+                     + f" | {r['unattributed_ms']:.1f} "
+                     + f"| {report.fmt(r.get('host_steal'), '.0%')} |")
   return "\n".join(lines) + "\n"

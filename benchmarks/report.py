@@ -7,6 +7,11 @@ import os
 from typing import Sequence
 
 
+def fmt(v, spec: str) -> str:
+  """`v` in format `spec` for a table cell, or "–" where there is no figure (None)."""
+  return "–" if v is None else format(v, spec)
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
   """A GitHub markdown table; floats get 3 significant decimals."""
   fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)

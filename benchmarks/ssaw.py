@@ -301,10 +301,6 @@ def summarize(raw: dict) -> dict:
           for model, settings in raw["runs"].items()}
 
 
-def _fmt(v, f: str) -> str:
-  return "–" if v is None else format(v, f)
-
-
 def markdown(results: dict, title: str) -> str:
   lines = [f"### {title}", "",
            "| model | setting | variant | samples/s | final val loss (mean of seeds) | vs sync "
@@ -314,12 +310,12 @@ def markdown(results: dict, title: str) -> str:
     for setting, cells in settings.items():
       for variant, r in cells.items():
         lines.append(
-            f"| {model} | {setting} | {variant} | {_fmt(r['samples_per_s'], '.0f')} "
+            f"| {model} | {setting} | {variant} | {report.fmt(r['samples_per_s'], '.0f')} "
             f"| {r['final_val_loss']:.4f} ± {r['final_val_loss_std']:.4f} "
-            f"| {_fmt(r['val_loss_vs_sync'], '+.2%')} | {r['final_val_accuracy']:.3f} "
-            f"| {_fmt(r['time_to_sync_loss_s'], '.1f')} "
-            f"| {_fmt(r['speedup_to_sync_loss'], '.2f')} | {r['reached']} "
-            f"| {_fmt(r['updates'], '.0f')} |")
+            f"| {report.fmt(r['val_loss_vs_sync'], '+.2%')} | {r['final_val_accuracy']:.3f} "
+            f"| {report.fmt(r['time_to_sync_loss_s'], '.1f')} "
+            f"| {report.fmt(r['speedup_to_sync_loss'], '.2f')} | {r['reached']} "
+            f"| {report.fmt(r['updates'], '.0f')} |")
   return "\n".join(lines) + "\n"
 
 

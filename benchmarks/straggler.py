@@ -613,11 +613,8 @@ def noise_line(results: dict) -> str:
   return line
 
 
-def _fmt(v, f: str) -> str:
-  return "–" if v is None else format(v, f)
-
-
 def markdown(results: dict, title: str) -> str:
+  fmt = report.fmt
   lines = [f"### {title}", "",
            "| scenario | policy | tokens/s (median) | spread | vs even | paired vs even "
            "| vs oracle | paired vs oracle | s to even's loss (even's s / it) | val loss (mean) "
@@ -626,17 +623,17 @@ def markdown(results: dict, title: str) -> str:
   for scenario, runs in results.items():
     for policy, r in runs.items():
       reached = r["reached_even_loss"]
-      reach = (f"{r['time_to_even_loss_s']:.1f} ({_fmt(r['time_to_even_loss_speedup'], '.2f')}x)"
+      reach = (f"{r['time_to_even_loss_s']:.1f} ({fmt(r['time_to_even_loss_speedup'], '.2f')}x)"
                if r["time_to_even_loss_s"] is not None
                else f"not reached ({reached}/{len(r['runs'])})")
       lines.append(
           f"| {scenario} | {policy} | {r['tokens_per_s']:.0f} "
-          f"| {_fmt(r['tokens_per_s_spread'], '.0%')} | {_fmt(r['ratio_vs_even'], '.2f')} "
-          f"| {_fmt(r['paired_ratio_vs_even'], '.2f')} | {_fmt(r['ratio_vs_oracle'], '.2f')} "
-          f"| {_fmt(r['paired_ratio_vs_oracle'], '.2f')} | {reach} "
-          f"| {r['final_val_loss_mean']:.4f} | {_fmt(r['mean_val_loss_vs_baseline'], '+.2%')} "
-          f"| {r['compiles_after_warmup']} | {_fmt(r['migrations'], 'g')} "
-          f"| {_fmt(r.get('host_steal'), '.0%')} |")
+          f"| {fmt(r['tokens_per_s_spread'], '.0%')} | {fmt(r['ratio_vs_even'], '.2f')} "
+          f"| {fmt(r['paired_ratio_vs_even'], '.2f')} | {fmt(r['ratio_vs_oracle'], '.2f')} "
+          f"| {fmt(r['paired_ratio_vs_oracle'], '.2f')} | {reach} "
+          f"| {r['final_val_loss_mean']:.4f} | {fmt(r['mean_val_loss_vs_baseline'], '+.2%')} "
+          f"| {r['compiles_after_warmup']} | {fmt(r['migrations'], 'g')} "
+          f"| {fmt(r.get('host_steal'), '.0%')} |")
   return "\n".join(lines) + "\n"
 
 

@@ -82,10 +82,10 @@ def main(argv):
                  "mfu": None if peak is None else flops / seconds / (peak * 1e12)}
     r["branched_over_single"] = r["branched"]["step_s"] / r["single"]["step_s"]
     results.append(r)
-    fmt = lambda v: "–" if v is None else f"{v:.1%}"
     rows.append([f"{w_mlp}/{layout.mlp.capacity}", f"{w_heads}/{layout.heads.capacity}",
-                 1e3 * r["single"]["step_s"], r["single"]["tflops"], fmt(r["single"]["mfu"]),
-                 1e3 * r["branched"]["step_s"], fmt(r["branched"]["mfu"]),
+                 1e3 * r["single"]["step_s"], r["single"]["tflops"],
+                 report.fmt(r["single"]["mfu"], ".1%"),
+                 1e3 * r["branched"]["step_s"], report.fmt(r["branched"]["mfu"], ".1%"),
                  r["branched_over_single"]])
   table = report.markdown_table(
       ["mlp width", "heads width", "single ms", "single TFLOP/s", "single MFU", "branched ms",

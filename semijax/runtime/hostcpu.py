@@ -16,8 +16,6 @@ The shares are of the whole machine (every core), as the kernel counts them.
 
 from __future__ import annotations
 
-import os
-
 PROC_STAT = "/proc/stat"
 # The columns of the aggregate "cpu" line of /proc/stat, in order (proc(5)); guest time is
 # already counted in user and nice, so it is left out of the total.
@@ -42,8 +40,6 @@ def parse(text: str) -> dict[str, int] | None:
 
 def read(path: str = PROC_STAT) -> dict[str, int] | None:
   """The host's CPU ticks by kind (`parse`), or None where `path` cannot be read (not Linux)."""
-  if not os.path.exists(path):
-    return None
   try:
     with open(path) as f:
       return parse(f.read())
@@ -68,7 +64,8 @@ def describe(steal: float | None, what: str = "the runs") -> str:
   if steal is None:
     return ""
   text = f"The hypervisor took {steal:.0%} of this host's CPU time during {what}."
-  return f"{text} {warning(steal)}" if warning(steal) else text
+  alarm = warning(steal)
+  return f"{text} {alarm}" if alarm else text
 
 
 def warning(steal: float | None) -> str:
@@ -80,14 +77,11 @@ def warning(steal: float | None) -> str:
 
 
 class StealMeter:
-  """The steal share of the host's CPU time from construction (or `restart`) to `share()`."""
+  """The steal share of the host's CPU time from construction to `share()`."""
 
   def __init__(self, path: str = PROC_STAT):
     self.path = path
-    self.restart()
-
-  def restart(self) -> None:
-    self._start = read(self.path)
+    self._start = read(path)
 
   def share(self) -> float | None:
     return steal_share(self._start, read(self.path))
