@@ -43,6 +43,7 @@ from semijax.core import kernels
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import tp
+from semijax.core import transport
 from semijax.runtime import contention
 from semijax.runtime import distributed
 from semijax.runtime import hostcpu
@@ -161,6 +162,8 @@ def measure_split(engine, run, batch, split: str, *, steps: int, profile_dir: st
   state = engine.init(run.seed, layout)
   engine.compile(state, batch, plan)
   engine.exercise(state, batch, plan)
+  if jax.process_count() > 1:
+    transport.yield_to_steps()                       # as the training loop does after warm-up
   compiled = engine._compiled_fn("train", state, batch, plan)   # pylint: disable=protected-access
   hlo = instructions(compiled.as_text())
   walls, cpus = [], []

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import breakdown  # noqa: E402
 from benchmarks import report  # noqa: E402
 from semijax.core import kernels  # noqa: E402
+from semijax.core import transport  # noqa: E402
 from semijax.runtime import cli  # noqa: E402
 from semijax.runtime import launch  # noqa: E402
 
@@ -30,6 +31,9 @@ _SPLITS = flags.DEFINE_list("splits", list(breakdown.SPLITS), "Splits to profile
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed (and as many profiled) steps per split.")
 _MODE = flags.DEFINE_enum("branch_mode", "saved", list(kernels.BRANCH_MODES),
                           "What a branch of the branched step keeps for the backward pass.")
+_NICE = flags.DEFINE_integer(
+    "transport_nice", None, "Nice value of the collectives' transport threads (0 leaves them "
+    "as they are; default: $SEMIJAX_TRANSPORT_NICE, else 19; see semijax.core.transport).")
 _ROLE = flags.DEFINE_enum("role", "main", ["main", "worker"], "Internal.")
 
 
@@ -41,6 +45,7 @@ def main(argv):
   bad += [s for s in _SPLITS.value if s not in breakdown.SPLITS]
   if bad:
     raise app.UsageError(f"unknown scenarios or splits: {bad}")
+  nice = transport.nice_value(_NICE.value)
   if _ROLE.value == "worker":
     breakdown.run_worker(out, quick=False, scenarios=_SCENARIOS.value, splits=_SPLITS.value,
                          steps=_STEPS.value, branch_mode=_MODE.value)
@@ -50,7 +55,7 @@ def main(argv):
                        f"--splits={','.join(_SPLITS.value)}", f"--steps={_STEPS.value}",
                        f"--branch_mode={_MODE.value}"], 2,
                       cores=[[0], [1]], devices_per_process=1, timeout_s=1800,
-                      log_dir=os.path.join(out, "logs"))
+                      log_dir=os.path.join(out, "logs"), env={transport.ENV: str(nice)})
   if not res.ok:
     raise SystemExit(res.failure_message())
   per_process = []
@@ -58,7 +63,8 @@ def main(argv):
     with open(os.path.join(out, f"breakdown_process{i}.json")) as f:
       per_process.append(json.load(f))
   merged = breakdown.merge(per_process)
-  payload = {"steps": _STEPS.value, "branch_mode": _MODE.value, "results": merged,
+  payload = {"steps": _STEPS.value, "branch_mode": _MODE.value, "transport_nice": nice,
+             "results": merged,
              "branched_over_single": breakdown.branched_cost(merged)}
   table = breakdown.markdown(merged)
   paths = report.write(out, "breakdown", payload, table)

@@ -26,6 +26,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import straggler as sb  # noqa: E402
+from semijax.core import transport  # noqa: E402
 from semijax.runtime import cli  # noqa: E402
 from semijax.runtime import launch  # noqa: E402
 
@@ -63,6 +64,7 @@ def main(argv):
   _check(_POLICIES.value, sb.POLICIES, "policies")
   if "even" not in _POLICIES.value or "static" not in _POLICIES.value:
     raise app.UsageError("--policies: must include 'even' and 'static' (the ratios' references)")
+  nice = transport.nice_value()       # $SEMIJAX_TRANSPORT_NICE, checked before anything runs
   os.makedirs(out, exist_ok=True)
   if _ROLE.value == "worker":
     sb.run_real_worker(out, quick=quick, scenarios=_SCENARIOS.value, policies=_POLICIES.value,
@@ -76,7 +78,7 @@ def main(argv):
   args = [f"--out={out}", f"--quick={quick}", f"--scenarios={','.join(_SCENARIOS.value)}",
           f"--emulated={','.join(_EMULATED.value)}", f"--policies={','.join(_POLICIES.value)}",
           f"--on_s={on_s}", f"--off_s={off_s}", f"--rounds={rounds}"]
-  results = {"quick": quick, "rounds": rounds, "minutes": {}}
+  results = {"quick": quick, "rounds": rounds, "transport_nice": nice, "minutes": {}}
   if mode in ("all", "real"):
     if len(os.sched_getaffinity(0)) < 2:
       raise app.UsageError("the real-contention part needs 2 cores; use --mode=emulated")
@@ -114,7 +116,8 @@ def main(argv):
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=1)
   md = [f"# bench_straggler{' (--quick)' if quick else ''}: {rounds} interleaved rounds, "
-        f"{sum(results['minutes'].values()):.0f} minutes", ""]
+        f"{sum(results['minutes'].values()):.0f} minutes, collectives' transport threads at "
+        f"nice {nice}", ""]
   if "scenarios" in results:
     md.append(sb.markdown(results["scenarios"], "Real contention (2 processes, tensor = 2)"))
     md.append(sb.noise_line(results["scenarios"]))

@@ -13,6 +13,7 @@ import os
 import jax
 
 from semijax import errors
+from semijax.core import transport
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -23,7 +24,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   Must run before anything touches a JAX backend.
 
   Raises:
-    errors.InputError: several processes but no coordinator address.
+    errors.InputError: several processes but no coordinator address, or a bad
+      SEMIJAX_TRANSPORT_NICE (`core.transport`).
   """
   env = os.environ
   coordinator_address = coordinator_address or env.get("SEMIJAX_COORDINATOR") or None
@@ -36,6 +38,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       raise errors.InputError(f"--num_processes: {num_processes} processes need "
                               "--coordinator_address (host:port of process 0)")
     return
+  transport.nice_value()   # a bad SEMIJAX_TRANSPORT_NICE fails here, before anything compiles
   if "cpu" in (env.get("JAX_PLATFORMS") or "cpu").split(","):
     # CPU processes exchange collectives through gloo (no-op where another backend is used).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -25,7 +25,6 @@ from typing import Callable
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from semijax.core import engine as engine_lib
 from semijax.errors import ConfigError
@@ -34,6 +33,7 @@ from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import replica_loop
+from semijax.train import steps as steps_lib
 
 
 ROUNDS_NAME = "sync_rounds.json"
@@ -88,7 +88,7 @@ def train(run: config_lib.RunConfig, engine: engine_lib.Engine, writer, state, s
 
 def _warm_start(run, after_warmup, t0) -> None:
   """Every process finished compiling: start together."""
-  multihost_utils.sync_global_devices("semijax replicas warm-up")
+  steps_lib.start_together("semijax replicas warm-up")
   say(f"warm-up: sync mode {run.sync.mode}, {jax.process_count()} processes (one replica "
       f"each), {time.perf_counter() - t0:.1f} s")
   if after_warmup is not None:

@@ -3,12 +3,14 @@ the metric record and console line, and the run's summary (`loop`, `pipelined`).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from semijax.core import transport
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
 
@@ -17,9 +19,15 @@ CONSOLE_NAMES = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "
 
 def start_together(name: str) -> None:
   """Waits for every process after the warm-up (a process still compiling would stall the
-  first step's collectives); nothing with one process."""
+  first step's collectives); then, on CPU, lets the steps' threads run before the threads of
+  the collectives' transport, which the warm-up started (`core.transport`). Nothing with one
+  process."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+    if jax.default_backend() == "cpu":
+      changed = transport.yield_to_steps()
+      logging.info("collectives' transport threads %s now at nice %s", sorted(changed),
+                   sorted(set(changed.values())))
 
 
 def evaluate(engine, params, batches, plan) -> dict:

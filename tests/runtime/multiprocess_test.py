@@ -6,6 +6,7 @@ devices.
 """
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -26,13 +27,20 @@ TIMEOUT_S = 300
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   workdir = tmp_path / "multi"
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"), "--verbosity=0",
          "--config", os.path.join(ROOT, "configs", "gpt_tiny.py:cpu,tensor=4,data=2"),
          "--workdir", str(workdir)] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
   result = launch.launch(cmd, 2, devices_per_process=4, timeout_s=TIMEOUT_S,
                          log_dir=str(tmp_path))
   assert result.returncodes == [0, 0], (result.failure_message() or
                                         open(result.log_paths[0]).read()[-3000:])
+  if sys.platform.startswith("linux"):
+    # after the warm-up, each process found gloo's event loop and lowered its priority
+    for path in result.log_paths:
+      with open(path) as f:
+        found = re.findall(r"collectives' transport threads \[(\d[\d, ]*)\] now at nice \[19\]",
+                           f.read())
+      assert found, f"{path}: no transport thread was given nice 19"
 
   config = tiny_gpt(tensor=4, steps=4, mlp=(10, 30, 4, 20), heads=(3, 1, 2, 2))
   config.mesh.data = 2
