@@ -26,6 +26,7 @@ the branched step's reference at the same largest width).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -143,7 +144,7 @@ def split_config(quick: bool, split: str):
   return c
 
 
-def _plan(engine, layout, single: bool):
+def step_plan(engine, layout, single: bool):
   """The plan of a step of `layout`: single-width at its largest count, or branched over its
   own counts' widths."""
   if single:
@@ -153,17 +154,38 @@ def _plan(engine, layout, single: bool):
   return engine.plan(own)
 
 
-def measure_split(engine, run, batch, split: str, *, steps: int, profile_dir: str) -> dict:
-  """This process's figures for one split: wall and CPU seconds per step (median of `steps`
-  timed steps), the host's steal share while they ran (`hostcpu`; None off Linux), and the
-  profile of `steps` more by part."""
-  layout = run.layout
-  plan = _plan(engine, layout, SPLITS[split][1])
-  state = engine.init(run.seed, layout)
+@dataclasses.dataclass
+class Prepared:
+  """One split's step, compiled and run once on this process: what measuring it needs."""
+  engine: object
+  state: object
+  batch: object
+  plan: object
+  layout: layout_lib.Layout
+
+
+def prepare(split: str, quick: bool = False) -> Prepared:
+  """The benchmark model on `split` (`SPLITS`), its step compiled and exercised, and, with
+  several processes, the collectives' transport threads lowered as the training loop does
+  after its warm-up (`core.transport`)."""
+  run = config_lib.validate(split_config(quick, split), jax.device_count(), jax.process_count())
+  engine = train.build_engine(run)
+  feed_index, feeds = mesh_lib.batch_feed(engine.mesh)
+  batch = engine.shard_batch(data_lib.build(run.data, feed_index, feeds).train_batch(0))
+  plan = step_plan(engine, run.layout, SPLITS[split][1])
+  state = engine.init(run.seed, run.layout)
   engine.compile(state, batch, plan)
   engine.exercise(state, batch, plan)
   if jax.process_count() > 1:
-    transport.yield_to_steps()                       # as the training loop does after warm-up
+    transport.yield_to_steps()
+  return Prepared(engine, state, batch, plan, run.layout)
+
+
+def measure_split(p: Prepared, *, steps: int, profile_dir: str) -> dict:
+  """This process's figures for one prepared split: wall and CPU seconds per step (median of
+  `steps` timed steps), the host's steal share while they ran (`hostcpu`; None off Linux), and
+  the profile of `steps` more by part."""
+  engine, state, batch, plan = p.engine, p.state, p.batch, p.plan
   compiled = engine._compiled_fn("train", state, batch, plan)   # pylint: disable=protected-access
   hlo = instructions(compiled.as_text())
   walls, cpus = [], []
@@ -193,7 +215,7 @@ def measure_split(engine, run, batch, split: str, *, steps: int, profile_dir: st
           "profiled_wall_ms": 1e3 * profiled_s, "parts_ms": by_part,
           "unattributed_ms": max(0.0, 1e3 * profiled_s - sum(by_part.values())),
           "top_ops": top_ops(times, hlo, steps),
-          "mlp_counts": list(layout.mlp.counts), "widths": dict(
+          "mlp_counts": list(p.layout.mlp.counts), "widths": dict(
               (k, list(w)) for k, w in plan.widths)}
 
 
@@ -214,20 +236,14 @@ def _measure_all(out: str, *, quick: bool, scenarios, splits, steps: int, core: 
   for scenario in scenarios:
     results[scenario] = {}
     for split in splits:
-      run = config_lib.validate(split_config(quick, split), jax.device_count(),
-                                jax.process_count())
-      engine = train.build_engine(run)
-      feed_index, feeds = mesh_lib.batch_feed(engine.mesh)
-      dataset = data_lib.build(run.data, feed_index, feeds)
-      batch = engine.shard_batch(dataset.train_batch(0))
+      prepared = prepare(split, quick)
       injector = None
       if jax.process_index() == 0 and scenario != "none":
         injector = contention.Injector(core, "steady")
         injector.start()
       try:
         results[scenario][split] = measure_split(
-            engine, run, batch, split, steps=steps,
-            profile_dir=os.path.join(out, f"profile{jax.process_index()}"))
+            prepared, steps=steps, profile_dir=os.path.join(out, f"profile{jax.process_index()}"))
       finally:
         if injector is not None:
           injector.stop()

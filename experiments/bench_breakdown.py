@@ -9,7 +9,6 @@ compute (the split work), the work every device repeats, the optimizer, the coll
 the rest (host, idle). Writes --out/breakdown.{json,md}.
 """
 
-import json
 import os
 import sys
 
@@ -19,11 +18,12 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import breakdown  # noqa: E402
+from benchmarks import pair  # noqa: E402
 from benchmarks import report  # noqa: E402
+from semijax import errors  # noqa: E402
 from semijax.core import kernels  # noqa: E402
 from semijax.core import transport  # noqa: E402
 from semijax.runtime import cli  # noqa: E402
-from semijax.runtime import launch  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "results/bench_breakdown", "Output directory.")
 _SCENARIOS = flags.DEFINE_list("scenarios", ["none", "steady"], "none and/or steady.")
@@ -45,23 +45,19 @@ def main(argv):
   bad += [s for s in _SPLITS.value if s not in breakdown.SPLITS]
   if bad:
     raise app.UsageError(f"unknown scenarios or splits: {bad}")
-  nice = transport.nice_value(_NICE.value)
+  try:
+    nice = transport.nice_value(_NICE.value)
+  except errors.InputError as e:
+    raise app.UsageError(f"--transport_nice: {e}") from None
   if _ROLE.value == "worker":
     breakdown.run_worker(out, quick=False, scenarios=_SCENARIOS.value, splits=_SPLITS.value,
                          steps=_STEPS.value, branch_mode=_MODE.value)
     return
-  res = launch.launch([sys.executable, os.path.abspath(__file__), "--role=worker",
-                       f"--out={out}", f"--scenarios={','.join(_SCENARIOS.value)}",
-                       f"--splits={','.join(_SPLITS.value)}", f"--steps={_STEPS.value}",
-                       f"--branch_mode={_MODE.value}"], 2,
-                      cores=[[0], [1]], devices_per_process=1, timeout_s=1800,
-                      log_dir=os.path.join(out, "logs"), env={transport.ENV: str(nice)})
-  if not res.ok:
-    raise SystemExit(res.failure_message())
-  per_process = []
-  for i in range(2):
-    with open(os.path.join(out, f"breakdown_process{i}.json")) as f:
-      per_process.append(json.load(f))
+  per_process = pair.run([sys.executable, os.path.abspath(__file__), "--role=worker",
+                          f"--out={out}", f"--scenarios={','.join(_SCENARIOS.value)}",
+                          f"--splits={','.join(_SPLITS.value)}", f"--steps={_STEPS.value}",
+                          f"--branch_mode={_MODE.value}"], out, "breakdown", timeout_s=1800,
+                         env={transport.ENV: str(nice)})
   merged = breakdown.merge(per_process)
   payload = {"steps": _STEPS.value, "branch_mode": _MODE.value, "transport_nice": nice,
              "results": merged,

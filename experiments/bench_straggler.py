@@ -64,7 +64,8 @@ def main(argv):
   _check(_POLICIES.value, sb.POLICIES, "policies")
   if "even" not in _POLICIES.value or "static" not in _POLICIES.value:
     raise app.UsageError("--policies: must include 'even' and 'static' (the ratios' references)")
-  nice = transport.nice_value()       # $SEMIJAX_TRANSPORT_NICE, checked before anything runs
+  with cli.one_line_errors():         # $SEMIJAX_TRANSPORT_NICE, checked before anything runs
+    nice = transport.nice_value()
   os.makedirs(out, exist_ok=True)
   if _ROLE.value == "worker":
     sb.run_real_worker(out, quick=quick, scenarios=_SCENARIOS.value, policies=_POLICIES.value,

@@ -1,15 +1,13 @@
 """The threads of the CPU collectives' transport, and letting the step's thread run before them.
 
-On CPU, collectives between processes go through gloo, whose TCP transport runs one event-loop
-thread per process (an `epoll` loop, started by XLA, unnamed, so it carries the process's name).
+On CPU, collectives between processes go through gloo, whose TCP transport runs event-loop
+threads (an `epoll` loop each, started by XLA, unnamed, so they carry the process's name).
 A process of the benchmarks owns one core, and there that thread competes with the thread that
-runs the step: when a peer's data arrives before this process has posted its receive, the loop
-wakes again and again while the data waits, at the same priority as the step, and the step's
-thread gets the core back only when the scheduler's slice runs out. Measured on this project's
-2-core machine (2 processes pinned to a core each): one all-reduce of 1 KB took a median of
-3.9-4.8 ms, and 0.1 ms with the step's thread at real-time priority; with the loop thread at nice
-19, 0.8 ms. The same single-core programs ran faster under a competing process as well (the
-module's measurements are in the README, "Where a step's time goes").
+runs the step: on this project's 2-core machine (2 processes pinned to a core each) `perf` found
+it returning from `epoll_wait` over and over during the collectives, at the step thread's
+priority, and one all-reduce of 1 KB took a median of 3.9-4.9 ms (0.8 ms with that thread at
+nice 19; 0.1 ms with the whole process at real-time priority). The measurements, and the
+training step's with and without it, are in the README ("Where a step's time goes").
 
 `yield_to_steps` gives those threads a higher nice value (a lower priority) once they exist
 (after the first collectives ran): the step's thread then preempts them at once, and they run
@@ -114,13 +112,17 @@ def yield_to_steps(nice: int | None = None) -> dict[int, int]:
     errors.InputError: a bad nice value (`nice_value`).
   """
   value = nice_value(nice)
-  if value == 0:
-    return {}
+  return {} if value == 0 else set_nice(transport_threads(), value)
+
+
+def set_nice(tids, value: int) -> dict[int, int]:
+  """Sets the nice value of each thread in `tids` (a thread that exited meanwhile is skipped);
+  returns {thread id: its nice value now}."""
   changed = {}
-  for tid in transport_threads():
+  for tid in tids:
     try:
       os.setpriority(os.PRIO_PROCESS, tid, value)   # on Linux, per thread
       changed[tid] = os.getpriority(os.PRIO_PROCESS, tid)
-    except OSError:   # exited meanwhile
+    except OSError:
       continue
   return changed
