@@ -1,4 +1,4 @@
-"""A benchmark's 2 processes, one pinned to each of cores 0 and 1: run them, read what each wrote."""
+"""A benchmark's 2 processes, pinned to cores 0 and 1: run them, read what each wrote."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 r"""The step's time with the collectives' transport threads at the process's priority (nice 0)
 or lowered (nice 19, what training does after its warm-up), in interleaved rounds.
 
-  python experiments/bench_transport.py --out=results/bench_transport    # about 8 minutes
+  python experiments/bench_transport.py --out=results/bench_transport    # about 3 minutes
 
 Needs 2 cores, Linux, and the right to lower a thread's nice value again (root, or
 `ulimit -e 20`). See benchmarks/transport.py. Writes --out/transport.{json,md}.

@@ -113,3 +113,4 @@ def test_yield_to_steps_lowers_a_real_epoll_threads_priority_and_nothing_else(mo
     stop.set()
     for t in threads:
       t.join(10)
+
