@@ -10,8 +10,8 @@ nice 19; 0.1 ms with the whole process at real-time priority). The measurements,
 training step's with and without it, are in the README ("Where a step's time goes").
 
 `yield_to_steps` gives those threads a higher nice value (a lower priority) once they exist
-(after the first collectives ran): the step's thread then preempts them at once, and they run
-when it waits. Linux only (threads are found through /proc); elsewhere it does nothing. The nice
+(after the first collectives ran): the scheduler then gives the core to the step's thread
+first, and they run mostly while it waits. Linux only (threads are found through /proc); elsewhere it does nothing. The nice
 value comes from the argument, else from the environment variable SEMIJAX_TRANSPORT_NICE, else
 `DEFAULT_NICE`; 0 leaves the threads as they are.
 """
