@@ -44,13 +44,13 @@ from semijax.core import kernels
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import tp
-from semijax.core import transport
 from semijax.runtime import contention
 from semijax.runtime import distributed
 from semijax.runtime import hostcpu
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import loop as train
+from semijax.train import steps as steps_lib
 
 PARTS = ("blocks", "repeated", "optimizer", "collectives", "other")
 # {split: (MLP share of device 0, single width?)}: device 0 owns 3/4 in the uneven splits.
@@ -165,9 +165,9 @@ class Prepared:
 
 
 def prepare(split: str, quick: bool = False) -> Prepared:
-  """The benchmark model on `split` (`SPLITS`), its step compiled and exercised, and, with
-  several processes, the collectives' transport threads lowered as the training loop does
-  after its warm-up (`core.transport`)."""
+  """The benchmark model on `split` (`SPLITS`), its step compiled and exercised; then, as the
+  training loop after its warm-up, every process waits for the others and, on CPU, lowers the
+  collectives' transport threads (`train.steps.start_together`)."""
   run = config_lib.validate(split_config(quick, split), jax.device_count(), jax.process_count())
   engine = train.build_engine(run)
   feed_index, feeds = mesh_lib.batch_feed(engine.mesh)
@@ -176,8 +176,7 @@ def prepare(split: str, quick: bool = False) -> Prepared:
   state = engine.init(run.seed, run.layout)
   engine.compile(state, batch, plan)
   engine.exercise(state, batch, plan)
-  if jax.process_count() > 1:
-    transport.yield_to_steps()
+  steps_lib.start_together(f"breakdown {split}")
   return Prepared(engine, state, batch, plan, run.layout)
 
 

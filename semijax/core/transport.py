@@ -81,14 +81,12 @@ def transport_threads(tasks: str = _TASKS, *, samples: int = 5,
   `interval_s` apart. [] without /proc.
   """
   own = _read(os.path.join(tasks, str(os.getpid()), "comm"))
-  skip = {os.getpid(), threading.get_native_id()}
-  found: set[int] = set()
-  try:
-    tids = [int(t) for t in os.listdir(tasks) if t.isdigit() and int(t) not in skip]
-  except OSError:
+  if own is None:                                    # no /proc
     return []
-  candidates = [t for t in tids if own is not None
-                and _read(os.path.join(tasks, str(t), "comm")) == own]
+  skip = {os.getpid(), threading.get_native_id()}
+  candidates = [int(t) for t in os.listdir(tasks) if t.isdigit() and int(t) not in skip
+                and _read(os.path.join(tasks, t, "comm")) == own]
+  found: set[int] = set()
   for k in range(samples):
     for tid in candidates:
       text = _read(os.path.join(tasks, str(tid), "syscall"))
