@@ -11,9 +11,9 @@ training step's with and without it, are in the README ("Where a step's time goe
 
 `yield_to_steps` gives those threads a higher nice value (a lower priority) once they exist
 (after the first collectives ran): the scheduler then gives the core to the step's thread
-first, and they run mostly while it waits. Linux only (threads are found through /proc); elsewhere it does nothing. The nice
-value comes from the argument, else from the environment variable SEMIJAX_TRANSPORT_NICE, else
-`DEFAULT_NICE`; 0 leaves the threads as they are.
+first, and they run mostly while it waits. Linux only (threads are found through /proc);
+elsewhere it does nothing. The nice value comes from the argument, else from the environment
+variable SEMIJAX_TRANSPORT_NICE, else `DEFAULT_NICE`; 0 leaves the threads as they are.
 """
 
 from __future__ import annotations
