@@ -193,8 +193,10 @@ class Semi(Controlled):
 
   Resizing costs accuracy (the controller charges the learning a resized step skips), so it is a
   candidate only within the skip budget (`skip_budget`, at most `resize_budget` of a device's
-  units), and only for slowdowns expected to end within `resize_horizon_steps` or while a
-  migration does not pay yet (so that a lasting slowdown is migrated, not resized)."""
+  units), and only while a migration does not pay yet (a lasting slowdown is migrated, not
+  resized; one too short to amortize a move is resized), or for slowdowns expected to end
+  within `resize_horizon_steps` (0 by default: a migration that pays, even one waiting out its
+  dwell, is not bridged by resized steps)."""
 
   name = "semi"
   moves = True

@@ -40,8 +40,9 @@ class BalanceSettings:
     resize_keep: the resize policy's keep ratio of a slow device (the authors' 0.5).
     resize_penalty: a price on resizing, as a share of its step time, on top of the learning
       a resized step skips (the controller divides its time by the share of work it keeps).
-    resize_horizon_steps: semi resizes only slowdowns expected to end within this many steps,
-      or while migrating does not pay yet.
+    resize_horizon_steps: semi resizes while migrating does not pay yet, and also (even when
+      it does) slowdowns expected to end within this many steps; 0 (the default): only the
+      first, since a new regime's expected length is its age, which reads short at first.
     skip_budget: semi's running budget of skipped work: the units x steps it skipped stay
       below this share of all units x steps run so far (0 = never resize).
     keep_grid: semi picks keep ratios on a grid of 1/keep_grid.
@@ -74,7 +75,7 @@ class BalanceSettings:
   resize_budget: float = 0.5
   resize_keep: float = 0.5
   resize_penalty: float = 0.05
-  resize_horizon_steps: float = 8
+  resize_horizon_steps: float = 0
   skip_budget: float = 0.02
   keep_grid: int = 8
   fixed_fraction: float = 0.1

@@ -129,7 +129,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.resize_budget = 0.5    # semi: the largest share of a device's units it may skip
   c.balance.resize_keep = 0.5      # resize policy: keep ratio of a slow device (the authors')
   c.balance.resize_penalty = 0.05  # accuracy cost of resizing, as a share of step time
-  c.balance.resize_horizon_steps = 8  # semi resizes only slowdowns expected to end within this
+  c.balance.resize_horizon_steps = 0  # semi also resizes slowdowns expected to end within this
   c.balance.skip_budget = 0.02     # semi: skipped units x steps <= this share of those run so far
   c.balance.keep_grid = 8          # semi picks keep ratios on a grid of 1/keep_grid
   c.balance.fixed_fraction = 0.1   # cost model prior: share of a step that no split changes

@@ -510,3 +510,29 @@ def test_target_counts_water_fill_with_the_fitted_repeat():
   assert c.target_counts((1.0, 0.6))["mlp"] == (5, 3)     # repeat 0: proportional
   cost.repeat = 0.5                                       # 4 of 8 units on every device
   assert c.target_counts((1.0, 0.6))["mlp"] == (6, 2)     # time-balanced (see above)
+
+
+def test_semi_does_not_bridge_a_paying_migration_with_resized_steps():
+  # A cheap move (0.05 s): over an expected 2 steps the migration costs 0.775 + 2 * 0.05 / 2 =
+  # 0.825 s/step < 0.95 x 1.0, so it pays; resizing is predicted faster still (0.77 s) but
+  # skips learning. By default (horizon 0) semi takes the lossless move ...
+  def make(**kw):
+    c = controller(skip_budget=0.9, patience=1, min_dwell_steps=5, **kw)
+    c.cost.move_s = 0.05
+    return c
+  c = make()
+  d = c.decide(0, SLOW, expected_s=2.0, step_s=1.0, new_regime=True)
+  assert "resize" not in d.predicted_s and d.choice == "migrate" and d.moves
+  # ... and while that move waits out its dwell, it holds the exact split instead of resizing.
+  c = make()
+  c.last_move_step = 0
+  d = c.decide(2, SLOW, expected_s=2.0, step_s=1.0)
+  assert d.choice == "exact" and d.setup.keep is None
+  assert "hold: last migration 2 steps ago < 5" in d.reason
+  # A horizon of 8 steps resizes that short-looking slowdown in both cases (the old default).
+  c = make(resize_horizon_steps=8)
+  assert c.decide(0, SLOW, expected_s=2.0, step_s=1.0, new_regime=True).choice == "resize"
+  c = make(resize_horizon_steps=8)
+  c.last_move_step = 0
+  d = c.decide(2, SLOW, expected_s=2.0, step_s=1.0)
+  assert d.choice == "resize" and d.setup.keep[1] < 1 and c.skipped_steps == 0
