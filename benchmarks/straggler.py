@@ -208,12 +208,6 @@ def _print_run(scenario: str, policy: str, r: int, record: dict) -> None:
         f"val {record['final_val_loss']:.4f}{_steal_note(record.get('host_steal'))}", flush=True)
 
 
-def _persistent_cache(out: str) -> None:
-  """Keeps every compiled program in out/.jax_cache: a rerun of the benchmark compiles little."""
-  jax.config.update("jax_compilation_cache_dir", os.path.join(out, ".jax_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-
 # --- real contention (runs inside each launched process) -----------------------------------------
 
 
@@ -372,7 +366,6 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
   """One process of the real-contention benchmark (see module doc); process 0 writes
   out/real_raw.json (after every run, so that a run cut short keeps what it measured)."""
   distributed.initialize()
-  _persistent_cache(out)
   base = real_config(quick)
   cache: dict = {}
   fit = calibrate(out, base, cache, core, quick)
@@ -413,7 +406,6 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
 def run_emulated(out: str, *, quick: bool, scenarios, policies, rounds: int = ROUNDS) -> dict:
   """Runs the emulated scenarios in this process (needs 8 devices); writes out/emulated_raw.json
   (after every run)."""
-  _persistent_cache(out)
   cache: dict = {}
   runs = {s: {p: [] for p in policies} for s in scenarios}
   speeds = {}

@@ -43,6 +43,7 @@ _ROUNDS = flags.DEFINE_integer("rounds", sb.ROUNDS, "Runs of every cell (interle
 _ON = flags.DEFINE_float("on_s", None, "Bursts: seconds on (default 4 quick, 20 full).")
 _OFF = flags.DEFINE_float("off_s", None, "Bursts: seconds off (default 4 quick, 20 full).")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 7200, "Limit for each part.")
+_CACHE, _CACHE_DIR = cli.define_cache_flags()
 _ROLE = flags.DEFINE_enum("role", "main", ["main", "worker", "emulated"], "Internal.")
 
 
@@ -67,6 +68,7 @@ def main(argv):
   with cli.one_line_errors():         # $SEMIJAX_TRANSPORT_NICE, checked before anything runs
     nice = transport.nice_value()
   os.makedirs(out, exist_ok=True)
+  cli.apply_cache_flags(_CACHE, _CACHE_DIR)
   if _ROLE.value == "worker":
     sb.run_real_worker(out, quick=quick, scenarios=_SCENARIOS.value, policies=_POLICIES.value,
                        on_s=on_s, off_s=off_s, rounds=rounds)
@@ -78,8 +80,14 @@ def main(argv):
 
   args = [f"--out={out}", f"--quick={quick}", f"--scenarios={','.join(_SCENARIOS.value)}",
           f"--emulated={','.join(_EMULATED.value)}", f"--policies={','.join(_POLICIES.value)}",
-          f"--on_s={on_s}", f"--off_s={off_s}", f"--rounds={rounds}"]
-  results = {"quick": quick, "rounds": rounds, "transport_nice": nice, "minutes": {}}
+          f"--on_s={on_s}", f"--off_s={off_s}", f"--rounds={rounds}",
+          f"--compilation_cache={_CACHE.value}"]
+  if _CACHE.value:    # the workers use the same cache, however the flags named it
+    args.append(f"--compilation_cache_dir={cli.cache_dir(_CACHE_DIR.value)}")
+    print(f"[bench] compiled programs: {cli.cache_dir(_CACHE_DIR.value)} (a rerun loads them)",
+          flush=True)
+  results = {"quick": quick, "rounds": rounds, "transport_nice": nice, "minutes": {},
+             "compilation_cache": cli.cache_dir(_CACHE_DIR.value) if _CACHE.value else None}
   if mode in ("all", "real"):
     if len(os.sched_getaffinity(0)) < 2:
       raise app.UsageError("the real-contention part needs 2 cores; use --mode=emulated")
