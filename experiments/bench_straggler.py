@@ -82,12 +82,12 @@ def main(argv):
           f"--emulated={','.join(_EMULATED.value)}", f"--policies={','.join(_POLICIES.value)}",
           f"--on_s={on_s}", f"--off_s={off_s}", f"--rounds={rounds}",
           f"--compilation_cache={_CACHE.value}"]
-  if _CACHE.value:    # the workers use the same cache, however the flags named it
-    args.append(f"--compilation_cache_dir={cli.cache_dir(_CACHE_DIR.value)}")
-    print(f"[bench] compiled programs: {cli.cache_dir(_CACHE_DIR.value)} (a rerun loads them)",
-          flush=True)
+  cache = cli.cache_dir(_CACHE_DIR.value) if _CACHE.value else None
+  if cache:           # the workers use the same cache, however the flags named it
+    args.append(f"--compilation_cache_dir={cache}")
+    print(f"[bench] compiled programs: {cache} (a rerun loads them)", flush=True)
   results = {"quick": quick, "rounds": rounds, "transport_nice": nice, "minutes": {},
-             "compilation_cache": cli.cache_dir(_CACHE_DIR.value) if _CACHE.value else None}
+             "compilation_cache": cache}
   if mode in ("all", "real"):
     if len(os.sched_getaffinity(0)) < 2:
       raise app.UsageError("the real-contention part needs 2 cores; use --mode=emulated")
