@@ -223,8 +223,6 @@ def run_real_worker(out: str, *, quick: bool, models, scenarios, variants, on_s:
   Runs the variants of `REAL_VARIANTS` among `variants`."""
   variants = [v for v in variants if v in REAL_VARIANTS]
   distributed.initialize()
-  jax.config.update("jax_compilation_cache_dir", os.path.join(out, ".jax_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   cache: dict = {}
 
   def run(config, model, scenario, variant, r, budget):

@@ -43,6 +43,7 @@ _OFF = flags.DEFINE_float("off_s", None, "Bursts: seconds off (default 2 quick, 
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 5400, "Limit for each part.")
 _FROM_RAW = flags.DEFINE_bool("from_raw", False, "Run nothing: summarize --out's raw JSON files "
                                "again (after a change to the summary).")
+_CACHE, _CACHE_DIR = cli.define_cache_flags()
 _ROLE = flags.DEFINE_enum("role", "main", ["main", "worker", "emulated"], "Internal.")
 
 
@@ -67,6 +68,7 @@ def main(argv):
   if "sync" not in _VARIANTS.value:
     raise app.UsageError("--variants: must include 'sync' (the reference of every figure)")
   os.makedirs(out, exist_ok=True)
+  cli.apply_cache_flags(_CACHE, _CACHE_DIR)
   common = dict(quick=quick, models=_MODELS.value, variants=_VARIANTS.value,
                 rounds=_ROUNDS.value)
   if _ROLE.value == "worker":
@@ -79,9 +81,13 @@ def main(argv):
   args = [f"--out={out}", f"--quick={quick}", f"--models={','.join(_MODELS.value)}",
           f"--scenarios={','.join(_SCENARIOS.value)}", f"--emulated={','.join(emulated)}",
           f"--variants={','.join(_VARIANTS.value)}", f"--rounds={_ROUNDS.value}",
-          f"--on_s={on_s}", f"--off_s={off_s}"]
+          f"--on_s={on_s}", f"--off_s={off_s}", f"--compilation_cache={_CACHE.value}"]
+  cache = cli.cache_dir(_CACHE_DIR.value) if _CACHE.value else None
+  if cache:           # both parts' processes use the same cache, however the flags named it
+    args.append(f"--compilation_cache_dir={cache}")
+    print(f"[bench] compiled programs: {cache} (a rerun loads them)", flush=True)
   me = os.path.abspath(__file__)
-  results, seconds = {"quick": quick}, {}
+  results, seconds = {"quick": quick, "compilation_cache": cache}, {}
   if _MODE.value in ("all", "real") and not _FROM_RAW.value:
     if len(launch.machine_cores()) < 2:
       raise app.UsageError("the real-contention part needs 2 cores; use --mode=emulated")

@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import report  # noqa: E402
+from semijax.runtime import cli  # noqa: E402
 from semijax.train import config as config_lib  # noqa: E402
 from semijax.train import loop as train  # noqa: E402
 from semijax.train import metrics  # noqa: E402
@@ -45,6 +46,7 @@ _GPT_STEPS = flags.DEFINE_integer("gpt_steps", 300, "Training steps of each gpt_
 _VIT_STEPS = flags.DEFINE_integer("vit_steps", 300, "Training steps of each vit_digits run.")
 _ROTATIONS = flags.DEFINE_integer("rotations", 1, "Times the straggler visits every device.")
 _EVALS = flags.DEFINE_integer("evals", 10, "Validation passes per run.")
+_CACHE, _CACHE_DIR = cli.define_cache_flags()
 
 NUM_DEVICES = 8
 AUTHORS = dict(mode="contraction", priority="weight_delta", imputation="fill", freeze=False)
@@ -146,9 +148,9 @@ def main(argv):
     raise app.UsageError(f"needs {NUM_DEVICES} devices; set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={NUM_DEVICES}")
   os.makedirs(_OUT.value, exist_ok=True)
-  # Settings that differ only on the host (seed, priority policy) share compiled programs.
-  jax.config.update("jax_compilation_cache_dir", os.path.join(_OUT.value, "jit_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  # Settings that differ only on the host (seed, priority policy) share compiled programs, and
+  # so do later runs with another --out_dir (the cache is train.py's and the benchmarks').
+  cli.apply_cache_flags(_CACHE, _CACHE_DIR)
   quick = _QUICK.value
   seeds = range(1 if quick else _SEEDS.value)
   gpt_steps = 24 if quick else _GPT_STEPS.value
