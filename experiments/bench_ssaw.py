@@ -81,10 +81,10 @@ def main(argv):
   args = [f"--out={out}", f"--quick={quick}", f"--models={','.join(_MODELS.value)}",
           f"--scenarios={','.join(_SCENARIOS.value)}", f"--emulated={','.join(emulated)}",
           f"--variants={','.join(_VARIANTS.value)}", f"--rounds={_ROUNDS.value}",
-          f"--on_s={on_s}", f"--off_s={off_s}", f"--compilation_cache={_CACHE.value}"]
-  cache = cli.cache_dir(_CACHE_DIR.value) if _CACHE.value else None
-  if cache:           # both parts' processes use the same cache, however the flags named it
-    args.append(f"--compilation_cache_dir={cache}")
+          f"--on_s={on_s}", f"--off_s={off_s}"]
+  cache_args, cache = cli.cache_flags_for_children(_CACHE, _CACHE_DIR)   # both parts' cache
+  args += cache_args
+  if cache:
     print(f"[bench] compiled programs: {cache} (a rerun loads them)", flush=True)
   me = os.path.abspath(__file__)
   results, seconds = {"quick": quick, "compilation_cache": cache}, {}

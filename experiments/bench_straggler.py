@@ -80,11 +80,10 @@ def main(argv):
 
   args = [f"--out={out}", f"--quick={quick}", f"--scenarios={','.join(_SCENARIOS.value)}",
           f"--emulated={','.join(_EMULATED.value)}", f"--policies={','.join(_POLICIES.value)}",
-          f"--on_s={on_s}", f"--off_s={off_s}", f"--rounds={rounds}",
-          f"--compilation_cache={_CACHE.value}"]
-  cache = cli.cache_dir(_CACHE_DIR.value) if _CACHE.value else None
-  if cache:           # the workers use the same cache, however the flags named it
-    args.append(f"--compilation_cache_dir={cache}")
+          f"--on_s={on_s}", f"--off_s={off_s}", f"--rounds={rounds}"]
+  cache_args, cache = cli.cache_flags_for_children(_CACHE, _CACHE_DIR)   # the workers' cache
+  args += cache_args
+  if cache:
     print(f"[bench] compiled programs: {cache} (a rerun loads them)", flush=True)
   results = {"quick": quick, "rounds": rounds, "transport_nice": nice, "minutes": {},
              "compilation_cache": cache}

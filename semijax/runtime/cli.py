@@ -10,7 +10,8 @@
     stderr and exit status 1. Anything else is a bug and keeps its traceback.
   * `define_cache_flags()` and `apply_cache_flags(...)`: --compilation_cache (default on) and
     --compilation_cache_dir: JAX's persistent compilation cache for every program, so that a
-    rerun of the same setup loads its programs instead of compiling them.
+    rerun of the same setup loads its programs instead of compiling them;
+    `cache_flags_for_children(...)` hands the same cache to the processes an entry point starts.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def apply_cache_flags(cache, directory) -> None:
   """Turns the persistent compilation cache on as the flags of `define_cache_flags` say."""
   if cache.value:
     use_compilation_cache(cache_dir(directory.value))
+
+
+def cache_flags_for_children(cache, directory) -> tuple[list[str], str | None]:
+  """The flags that give a child process the cache of `define_cache_flags`' holders as this one
+  resolves them (however the flags named it), and that cache's directory (None: cache off)."""
+  resolved = cache_dir(directory.value) if cache.value else None
+  args = [f"--compilation_cache={cache.value}"]
+  if resolved:
+    args.append(f"--compilation_cache_dir={resolved}")
+  return args, resolved
 
 
 @contextlib.contextmanager

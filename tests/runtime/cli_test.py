@@ -112,3 +112,17 @@ def test_cache_dir_prefers_the_flag_then_jaxs_own_setting():
   assert jax.config.jax_compilation_cache_dir   # set by conftest (and JAX_COMPILATION_CACHE_DIR)
   assert cli.cache_dir(None) == jax.config.jax_compilation_cache_dir
   assert os.environ["JAX_COMPILATION_CACHE_DIR"] == jax.config.jax_compilation_cache_dir
+
+
+def test_cache_flags_for_children_pass_the_resolved_directory_or_turn_the_cache_off():
+  class Holder:                      # what absl's FlagHolder offers: .value
+    def __init__(self, value):
+      self.value = value
+  args, resolved = cli.cache_flags_for_children(Holder(True), Holder("/from/flag"))
+  assert (args, resolved) == (["--compilation_cache=True", "--compilation_cache_dir=/from/flag"],
+                              "/from/flag")
+  args, resolved = cli.cache_flags_for_children(Holder(True), Holder(None))
+  assert resolved == jax.config.jax_compilation_cache_dir     # JAX's own setting, spelled out
+  assert args[-1] == f"--compilation_cache_dir={resolved}"
+  assert cli.cache_flags_for_children(Holder(False), Holder("/from/flag")) == (
+      ["--compilation_cache=False"], None)
