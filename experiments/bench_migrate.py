@@ -43,6 +43,7 @@ from benchmarks import report  # noqa: E402
 from semijax.core import layout as layout_lib  # noqa: E402
 from semijax.core import migrate  # noqa: E402
 from semijax.core import offload  # noqa: E402
+from semijax.runtime import cli  # noqa: E402
 from semijax.train import config as config_lib  # noqa: E402
 from semijax.train import loop as train  # noqa: E402
 
@@ -257,4 +258,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import planner  # noqa: E402
 from benchmarks import report  # noqa: E402
+from semijax.runtime import cli  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "results/bench_planner", "Output directory.")
 _SIZES = flags.DEFINE_list("sizes", ["64", "256", "1024"], "Cluster sizes (devices).")
@@ -42,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

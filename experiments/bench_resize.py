@@ -28,6 +28,7 @@ from semijax.core import mesh as mesh_lib  # noqa: E402
 from semijax.core import plan as plan_lib  # noqa: E402
 from semijax.core import resize as resize_lib  # noqa: E402
 from semijax.models import layers  # noqa: E402
+from semijax.runtime import cli  # noqa: E402
 
 _OUT = flags.DEFINE_string("out_dir", "results/bench_resize", "Where to write the results.")
 _D = flags.DEFINE_integer("d_model", 256, "Model width.")
@@ -83,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

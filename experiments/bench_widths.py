@@ -33,6 +33,7 @@ from semijax.core import layout as layout_lib  # noqa: E402
 from semijax.core import mesh as mesh_lib  # noqa: E402
 from semijax.core import plan as plan_lib  # noqa: E402
 from semijax.models import layers  # noqa: E402
+from semijax.runtime import cli  # noqa: E402
 
 _OUT = flags.DEFINE_string("out_dir", "results/bench_widths", "Where to write the results.")
 _D = flags.DEFINE_integer("d_model", 256, "Model width.")
@@ -94,4 +95,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

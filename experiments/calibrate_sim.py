@@ -24,6 +24,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from semijax.runtime import cli  # noqa: E402
 from semijax.sim import calibrate  # noqa: E402
 from semijax.sim import hardware  # noqa: E402
 from semijax.sim import profiles  # noqa: E402
@@ -96,4 +97,4 @@ def _replay_args(params: dict) -> dict:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

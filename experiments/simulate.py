@@ -23,6 +23,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import report  # noqa: E402
+from semijax.runtime import cli  # noqa: E402
 from semijax.sim import hardware  # noqa: E402
 from semijax.sim import overhead  # noqa: E402
 from semijax.sim import profiles  # noqa: E402
@@ -134,4 +135,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -96,7 +96,8 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     if (cause := input_error(e)) is not None:   # raised by the config file's get_config
       sys.exit(str(cause))
-    sys.exit(str(e))   # "flag --num_processes=x: ..." (or a config file's traceback: a bug)
+    # "flag --num_processes=x: ..." (or a config file's traceback: a bug)
+    sys.exit(wrong_type(str(e)) or str(e))
   except (AttributeError, KeyError) as e:   # parsing a --config.<unknown>=... override
     if (message := unknown_override(e, argv)) is None:
       raise
@@ -138,6 +139,23 @@ def input_error(error: BaseException | None) -> errors.InputError | None:
       found = error
     error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
   return found
+
+
+_KINDS = ((r"for int\(\)", "an integer"), (r"to float", "a number"),
+          (r"[Bb]oolean", "true or false"))
+
+
+def wrong_type(message: str) -> str | None:
+  """"config.steps: expected an integer, got 'abc'" for absl's message about a --config.<key>
+  override of the wrong type ("flag --config.steps=abc: invalid literal for int() ...")."""
+  found = re.match(r"flag --(config\.[\w.]+)=(.*?): (.*)$", message, re.S)
+  if found is None:
+    return None
+  name, value, reason = found.groups()
+  for pattern, kind in _KINDS:
+    if re.search(pattern, reason):
+      return f"{name}: expected {kind}, got {value!r}"
+  return f"{name}: {reason.strip()} (from --{name}={value})"
 
 
 def unknown_override(error: Exception, argv: list[str]) -> str | None:

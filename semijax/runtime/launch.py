@@ -266,18 +266,23 @@ def parse_cores(text: str) -> list[list[int]]:
     raise ValueError(f"--cores: expected e.g. '0:1' or '0,1:2,3', got {text!r}") from None
 
 
-def main(args: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+  """The launcher's command line: its own flags, then `--` and the command every process runs."""
+  p = argparse.ArgumentParser(
       prog="python -m semijax.runtime.launch", description=__doc__.split("\n\n")[0],
       usage="%(prog)s --num_processes=N [--cores=0:1] [...] -- COMMAND ...")
-  parser.add_argument("--num_processes", type=int, required=True)
-  parser.add_argument("--cores", default=None, help="e.g. 0:1 or 0,1:2,3")
-  parser.add_argument("--devices_per_process", type=int, default=1)
-  parser.add_argument("--timeout_s", type=float, default=600)
-  parser.add_argument("--grace_s", type=float, default=10)
-  parser.add_argument("--log_dir", default=None)
-  parser.add_argument("command", nargs=argparse.REMAINDER)
-  flags = parser.parse_args(args)
+  p.add_argument("--num_processes", type=int, required=True)
+  p.add_argument("--cores", default=None, help="e.g. 0:1 or 0,1:2,3")
+  p.add_argument("--devices_per_process", type=int, default=1)
+  p.add_argument("--timeout_s", type=float, default=600)
+  p.add_argument("--grace_s", type=float, default=10)
+  p.add_argument("--log_dir", default=None)
+  p.add_argument("command", nargs=argparse.REMAINDER)
+  return p
+
+
+def main(args: list[str] | None = None) -> int:
+  flags = parser().parse_args(args)
   command = flags.command[1:] if flags.command[:1] == ["--"] else flags.command
   # SIGTERM to the launcher stops the children as Ctrl-C does (instead of leaving the kernel's
   # PDEATHSIG to SIGKILL only the group leaders).

@@ -128,6 +128,35 @@ def _counts(layout_json: dict, kind: str) -> tuple:
   return tuple(len(o) for o in layout_json[kind]["owned"])
 
 
+def _already_trained(run: config_lib.RunConfig, workdir: str) -> dict | None:
+  """The summary of a run with nothing left to do (its workdir holds a checkpoint of this model
+  at config.steps or later), said on the console; None if there is training to do."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return None
+  ckpt = checkpoint_lib.Checkpointer(directory, keep=run.keep_checkpoints)
+  try:
+    step = ckpt.latest_step()
+    meta = ckpt.read_meta(step) if step is not None else {}
+  finally:
+    ckpt.close()
+  if meta.get("model") != run.model.to_dict():
+    return None
+  # A replica run's checkpoints count updates, which may outnumber steps: it is done when its
+  # samples are (and one saved before they were recorded, never).
+  trained = (meta.get("samples", -1) // run.batch_size if "sync_mode" in meta else step)
+  if trained < run.steps:
+    return None
+  path = os.path.join(workdir, "metrics.jsonl")
+  records = metrics_lib.read_jsonl(path) if os.path.exists(path) else []
+  val = next(({k: r[k] for k in ("val/loss", "val/accuracy") if k in r}
+              for r in reversed(records) if "val/loss" in r), {})
+  shown = f", val_loss {val['val/loss']:.4f}" if "val/loss" in val else ""
+  say(f"nothing to train: the checkpoint {directory}/{step} has trained {trained} steps, "
+      f"config.steps is {run.steps}{shown}; raise --config.steps to train on")
+  return dict(steps_lib.summary(run, step, [], [], val), already_trained=True)
+
+
 def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None] | None = None,
                        engine_cache: dict | None = None) -> dict:
   """Trains `config` in `workdir` (auto-resuming) and returns a summary of the run.
@@ -142,13 +171,16 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
 
   Returns:
     {"steps", "train/loss", "val/loss", "val/accuracy", "mean_step_time_s", "<unit>_per_s",
-     "step_times_s": [...], "losses": [...], "balance": {...}} for the steps run by this call.
+     "step_times_s": [...], "losses": [...], "balance": {...}} for the steps run by this call;
+    {..., "already_trained": True} and no steps if the workdir's checkpoint is at config.steps.
 
   Raises:
     ConfigError: bad config or data (before compiling).
     FloatingPointError: a NaN or infinite loss (the last good checkpoint stays intact).
   """
   run = config_lib.validate(config, jax.device_count(), jax.process_count())
+  if (done := _already_trained(run, workdir)) is not None:
+    return done
   if run.pipeline is not None:
     return pipelined.train(run, workdir, after_warmup=after_warmup)
   feed_index, feeds = mesh_lib.batch_feed(run.mesh.make())

@@ -376,7 +376,8 @@ class _Loop:
     extra = dict(self.balancer.state_dict() or {})
     extra["sync"] = self.driver.state_dict(layout)
     meta = {**self.meta, "data_position": k, "layout": layout.to_json(),
-            "model": self.run.model.to_dict(), "sync_mode": self.run.sync.mode}
+            "model": self.run.model.to_dict(), "sync_mode": self.run.sync.mode,
+            "samples": self.driver.applied}
     self.ckpt.save(k, self.engine.to_logical(state, layout), meta, extra)
 
   def _summary(self, start, k, times, losses, curve, val, applied) -> dict:

@@ -1,4 +1,5 @@
-"""colab/quickstart.ipynb: outputs are cleared, and its code cells run (so it cannot rot)."""
+"""colab/quickstart.ipynb: outputs are cleared, and its code cells run (so it cannot rot) from
+colab/, where a local Jupyter starts, finding the project and filling the compilation cache."""
 
 import os
 import subprocess
@@ -28,10 +29,14 @@ def test_code_cells_run(tmp_path):
              "\nassert png is None or os.path.getsize(png) > 0"
              "\nprint('NOTEBOOK OK')\n")
   (tmp_path / "quickstart.py").write_text(source)
-  env = dict(os.environ, SEMIJAX_QUICKSTART_STEPS="3",
-             PYTHONPATH=ROOT)
-  out = subprocess.run([sys.executable, str(tmp_path / "quickstart.py")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("PYTHONPATH", "JAX_COMPILATION_CACHE_DIR")}
+  env.update(SEMIJAX_QUICKSTART_STEPS="3", XDG_CACHE_HOME=str(tmp_path / "cache"))
+  out = subprocess.run([sys.executable, str(tmp_path / "quickstart.py")],
+                       cwd=os.path.join(ROOT, "colab"), env=env, capture_output=True, text=True,
+                       timeout=600)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "NOTEBOOK OK" in out.stdout
   assert "| proportional | (" in out.stdout
+  assert f"semijax at {ROOT} ;" in out.stdout
+  assert os.listdir(tmp_path / "cache" / "semijax" / "jax")   # the compiled programs

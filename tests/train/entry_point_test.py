@@ -42,7 +42,11 @@ CASES = {
                                       config="configs/nope.py"),
     "override_key": Case(("--config.modle.d_model=3",), re.escape(
         "config.modle.d_model: unknown config key (from --config.modle.d_model=3)")),
-    "override_value": Case(("--config.steps=abc",), r"flag --config\.steps=abc: invalid literal"),
+    "override_value": Case(("--config.steps=abc",),
+                           re.escape("config.steps: expected an integer, got 'abc'") + "$"),
+    "override_bool": Case(("--config.balance.fit_repeat=maybe",),
+                          re.escape("config.balance.fit_repeat: expected true or false, got "
+                                    "'maybe'") + "$"),
     "processes": Case(("--num_processes=2",), r"--num_processes: 2 processes need "
                       r"--coordinator_address"),
     "nan_loss": Case(("--config.steps=3", "--config.optimizer.learning_rate=1e30",
@@ -113,3 +117,26 @@ def test_good_input_trains(runs, name):
   assert re.search(r"\bstep 1/1\b", run.stdout), run.stdout
   assert os.path.exists(os.path.join(run.workdir, "metrics.jsonl"))
   assert os.listdir(run.cache)   # the compiled programs, for the next run
+
+
+def test_rerunning_a_finished_run_says_so_without_compiling(runs, tmp_path):
+  """The same command again: exit 0, one line saying there is nothing to train, no program
+  compiled (a fresh cache stays empty) and the workdir unchanged."""
+  first = runs["straggler_int"]
+  case = CASES["straggler_int"]
+  metrics = os.path.join(first.workdir, "metrics.jsonl")
+  before = open(metrics).read(), sorted(os.listdir(os.path.join(first.workdir, "checkpoints")))
+  cache = tmp_path / "cache"
+  again = subprocess.run(
+      [sys.executable, os.path.join("experiments", "train.py"), "--config", case.config,
+       "--workdir", first.workdir, f"--compilation_cache_dir={cache}", *case.args],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr
+  assert re.search(r"nothing to train: the checkpoint \S+/checkpoints/1 has trained 1 steps, "
+                   r"config\.steps is 1, "
+                   r"val_loss \d+\.\d+; raise --config\.steps to train on", again.stdout), (
+                       again.stdout)
+  assert "warm-up" not in again.stdout and "done:" not in again.stdout
+  assert not cache.exists() or not os.listdir(cache)
+  after = open(metrics).read(), sorted(os.listdir(os.path.join(first.workdir, "checkpoints")))
+  assert after == before

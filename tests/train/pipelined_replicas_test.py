@@ -97,6 +97,8 @@ def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name)
   assert resumed["losses"] == reference["losses"][3:]
   assert resumed["val/loss"] == reference["val/loss"]
   assert resumed["sync"]["microbatches"] == reference["sync"]["microbatches"]
+  # Done once its samples are, though its checkpoints count more updates than steps.
+  assert train.train_and_evaluate(c(), workdir).get("already_trained")
   with pytest.raises(ConfigError, match=rf"config.sync.mode: the checkpoint .* by a '{mode}' run"):
     train.train_and_evaluate(slow(config("sync", steps=6)), workdir)
 
