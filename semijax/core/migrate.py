@@ -489,7 +489,11 @@ class Migrator:
     jitted = jax.jit(run, out_shardings=out_sh, donate_argnums=(0,) if donate else ())
     abstract = lambda t: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
-    fn = jitted.lower(abstract(tree), abstract(device_plan)).compile()
+    with warnings.catch_warnings():
+      # A move whose capacity changes cannot reuse its donated buffers for the output; it is
+      # donated anyway, so that the old copy is freed as soon as it has moved (`move_groups`).
+      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+      fn = jitted.lower(abstract(tree), abstract(device_plan)).compile()
     self.compile_count += 1
     logging.info("compiled migration %s (%d variants)", moves_key, len(self._compiled) + 1)
     self._compiled[key] = fn
@@ -551,12 +555,8 @@ class Migrator:
     # otherwise copied, so that donating one tree later never deletes the other's buffers.
     out = list(leaves) if donate else _copy_leaves(leaves)
     for group in groups:
-      with warnings.catch_warnings():
-        # A group whose capacity changes cannot reuse its donated buffers for the output; it is
-        # donated anyway, so that its old copy is freed before the next group moves.
-        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        moved = self([leaves[i] for i in group], [axes_leaves[i] for i in group], moves,
-                     donate=donate)
+      moved = self([leaves[i] for i in group], [axes_leaves[i] for i in group], moves,
+                   donate=donate)
       for i, x in zip(group, moved):
         out[i] = x
         if donate and not leaves[i].is_deleted():
@@ -572,8 +572,7 @@ def _copy_leaves(leaves: list) -> list:
   """Fresh copies of `leaves`, each with its leaf's sharding, in one program per set of devices
   (a tree may mix leaves on the mesh with leaves on one device). A copy per leaf (`x.copy()`)
   dispatched one small program per leaf: on XLA:CPU with 8 devices in one process such a burst
-  now and then left a collective's device threads waiting until XLA aborted the process
-  (README, "Two commands")."""
+  now and then left a collective's device threads waiting until XLA aborted the process."""
   by_devices: dict = {}
   for i, x in enumerate(leaves):
     by_devices.setdefault(frozenset(d.id for d in x.sharding.device_set), []).append(i)
