@@ -4,7 +4,7 @@
 # XLA:CPU, with 8 devices in one process, aborted the test process now and then in a
 # collective's rendezvous ("Termination timeout for `all reduce ...`" or "`collective permute`":
 # some device threads of a program never arrived), while a move copied its input leaf by leaf.
-# The copies are now one program (README, "Two commands"); should the abort recur, it, and no
+# The copies are now one program (`migrate._copy_leaves`); should the abort recur, it, and no
 # other failure, reruns the failed tests once (pytest's --last-failed).
 #
 # The tests run in one worker process per core, at most 4 (pytest-xdist; a file's tests stay in

@@ -2,8 +2,8 @@
 
 On one host the fake CPU devices share the cores, so extra *compute* on one device slows all of
 them. A *sleep* costs no CPU, so sleeping, per block, for the extra time its slowest device would
-take makes the step wait like a real straggler in a TP group (DESIGN.md s4): every block ends in
-an all-reduce, so a block takes as long as its slowest device. A device with slowdown s that
+take makes the step wait like a real straggler in a TP group (docs/uneven_tp.md): every block
+ends in an all-reduce, so a block takes as long as its slowest device. A device with slowdown s that
 executes width w in a block takes `unit_ms * w * s` (forward plus backward, `unit_ms`); after
 each train step the host sleeps the sum over blocks of the largest such time (`Emulator`), from
 the widths the step executed (`core.plan.executed_widths`).

@@ -1,4 +1,4 @@
-"""ZERO-resizing: a slow device computes only part of its work for a while (DESIGN.md s2).
+"""ZERO-resizing: a slow device computes only part of its work for a while (docs/uneven_tp.md).
 
 This module is the mechanism (what a resized step computes and updates); whom to resize and how
 (`balance.resize.ResizeSpec`) and which units to keep (`balance.priority`) are balancing.

@@ -7,7 +7,7 @@ runs the step: on this project's 2-core machine (2 processes pinned to a core ea
 it returning from `epoll_wait` over and over during the collectives, at the step thread's
 priority, and one all-reduce of 1 KB took a median of 3.9-4.9 ms (0.8 ms with that thread at
 nice 19; 0.1 ms with the whole process at real-time priority). The measurements, and the
-training step's with and without it, are in the README ("Where a step's time goes").
+training step's with and without it, are in docs/performance.md and docs/benchmarks.md.
 
 `yield_to_steps` gives those threads a higher nice value (a lower priority) once they exist
 (after the first collectives ran): the scheduler then gives the core to the step's thread

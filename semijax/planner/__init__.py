@@ -1,4 +1,4 @@
-"""The partition and placement planner of HarmonyTrain's PatchPipe (DESIGN.md s7).
+"""The partition and placement planner of HarmonyTrain's PatchPipe (docs/pipeline.md).
 
 From the model's costs, device speeds and memory and a link matrix, it chooses the mesh
 (data x pipe x tensor), the device at every position, the layers per stage, the units per

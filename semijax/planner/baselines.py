@@ -1,4 +1,5 @@
-"""The plans the planner is compared with (DESIGN.md s7), each a `Plan` priced on the real cluster.
+"""The plans the planner is compared with (docs/pipeline.md), each a `Plan` priced on the real
+cluster.
 
   megatron         even tensor and data parallelism, no pipeline: pipe = 1, devices in id order
                    (tensor groups of consecutive ids, as a launcher fills nodes), even unit

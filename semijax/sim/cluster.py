@@ -1,7 +1,7 @@
 """The shape of a simulated cluster and what its collectives cost.
 
 Devices form a `data` x `pipe` x `tensor` grid (device id = (r * pipe + s) * tensor + t for
-replica r, stage s, tensor position t). Traffic goes where links carry it (DESIGN.md s7): a
+replica r, stage s, tensor position t). Traffic goes where links carry it (docs/pipeline.md): a
 tensor group sits inside one node (`tensor` links), pipeline stages of one replica talk over
 `pipe` links, replicas of one region over `data` links, and the replicas are split evenly
 over `regions` (`region` links between them; a data-parallel ring that crosses regions runs at

@@ -1,4 +1,4 @@
-"""The library's partition and placement planner (`semijax.planner`, DESIGN.md s7) on the
+"""The library's partition and placement planner (`semijax.planner`, docs/pipeline.md) on the
 simulator's clusters.
 
   model_costs(workload, hw)        the planner's `ModelCosts` of the workload's model at the

@@ -6,7 +6,7 @@ seconds of one global batch of samples:
 
   sync       synchronous data parallelism (`jax.lax.psum` over `data`): every replica waits for
              the slowest, then the gradients are all-reduced.
-  ssaw       SSAW (`semijax.sync`, DESIGN.md s7): semi-synchronous rounds with adaptive weights.
+  ssaw       SSAW (`semijax.sync`, docs/ssaw.md): semi-synchronous rounds with adaptive weights.
   async      bounded-staleness asynchronous data parallelism (`semijax.sync`'s baseline).
   local_sgd  local steps, parameter deltas averaged every `local_steps` (`semijax.sync`).
 
@@ -81,8 +81,8 @@ class LocalSgd(Mode):
 
 REGISTRY = {s.name: s for s in (Sync, Ssaw, Async, LocalSgd)}
 
-# Parts of DESIGN.md s7 without library code yet: none. (The partition and placement planner,
-# `semijax.planner`, is the study's `planner` column: its uneven stages go to
+# Parts of HarmonyTrain (docs/design.md) without library code yet: none. (The partition and
+# placement planner, `semijax.planner`, is the study's `planner` column: its uneven stages go to
 # `StepModel(layers=...)`, `sim.planning.stage_layers`.)
 PENDING = ()
 

@@ -13,14 +13,14 @@ Scenarios (`build(name, params, ...)`; each parameter has a default, `SCENARIOS[
 
   none        every device at speed 1.
   persistent  a fixed share of the devices is slow for the whole run: mixed device generations
-              or a throttled part (the heterogeneous clusters of HARP/Metis; source paper A's
+              or a throttled part (the heterogeneous clusters of HARP/Metis; the FlexTP paper's
               static profile (8, 6, 4, 2, 1, ...) is the extreme of it).
   bursts      every device alternates between normal and slow periods with exponential
               durations, so that a share `busy` is slow at any time: co-located tenants and CPU
               contention. The slow speed is what this machine measured for a process sharing its
               core with one CPU-bound competitor (the scheduler share of the straggler benchmark,
               0.37-0.45; 0.4 here).
-  rotating    source paper A's dynamic straggler: a few devices much slower (8x, as in its
+  rotating    the FlexTP paper's dynamic straggler: a few devices much slower (8x, as in its
               experiments), each jumping to another random device every `period_s`.
   fail_slow   FALCON's fail-slows (Wu et al., arXiv 2410.12588 / Greyhound, ATC'25: a 10,000-GPU
               production cluster): computation fail-slows (CPU contention, GPU thermal throttling)

@@ -1,7 +1,7 @@
 """`SyncSettings`: the typed form of `config.sync` (and `config.hetero.replica_slowdown`).
 
 How data-parallel replicas combine their work, validated once; `validate` raises a ConfigError
-that names the field, what is wrong and what is allowed. The README's config table lists every
+that names the field, what is wrong and what is allowed. docs/config.md lists every
 field with its default.
 """
 

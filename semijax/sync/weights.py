@@ -22,7 +22,7 @@ the direction's weights and every round steps at the scheduled rate (lr_batch_po
 alternative measured in experiments/bench_ssaw.py scales the rate by the square root of the
 covered (discounted) share of a batch (Adam's square-root scaling rule, Malladi et al. 2022;
 lr_batch_power 0.5): it trains more conservatively per round and ended 0.3% further from sync's
-loss at the same samples in this repository's runs (README, "Data-parallel synchronization").
+loss at the same samples in this repository's runs (docs/benchmarks.md, "SSAW").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ boundary where the raw ConfigDict is read. Below it, every layer gets its own ty
 (`core.mesh.MeshSpec`, `core.layout.Layout`, `core.spec.ModelSpec`, `core.emulation.Hetero`,
 `balance.resize.ResizeSpec`, `balance.settings.BalanceSettings`, `train.optimizer.OptimizerSpec`,
 `train.data.DataSpec`). Every error is a `ConfigError` whose message starts with the field
-("config.hetero.slowdown: ..."), says what is wrong and what is allowed. The README lists every
+("config.hetero.slowdown: ..."), says what is wrong and what is allowed. docs/config.md lists every
 public field.
 """
 

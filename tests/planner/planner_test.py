@@ -188,7 +188,7 @@ def test_bad_requests_name_the_argument():
 
 
 def test_a_large_cluster_plans_quickly():
-  # 256 devices of 8 types over 4 regions (the README reports 1,024 devices of 16 types).
+  # 256 devices of 8 types over 4 regions (docs/benchmarks.md reports 1,024 devices of 16 types).
   speeds = np.linspace(1.0, 0.3, 8)
   regions = [list(np.repeat(speeds[2 * r:2 * r + 2], 32)) for r in range(4)]
   cluster = cluster_lib.Cluster.two_level(regions, intra=(1e-5, 2.5e10), inter=(2e-2, 1.25e9),
