@@ -1,6 +1,6 @@
 r"""The SSAW study: sync, ssaw, async and local_sgd with replicas of unequal speed.
 
-  python experiments/bench_ssaw.py --quick     # both parts, 40 steps per run (~15 minutes)
+  python experiments/bench_ssaw.py --quick     # both parts, short runs (about 12 minutes)
   python experiments/bench_ssaw.py             # longer runs, every emulated setting
 
 Trains gpt_tiny and vit_digits (their `:cpu` variants) with

@@ -1,7 +1,7 @@
 r"""The headline benchmark: every balancing policy under real contention and emulated stragglers.
 
-  python experiments/bench_straggler.py --quick      # short runs, 3 rounds (about 15 minutes)
-  python experiments/bench_straggler.py              # long runs, 3 rounds (about 60 minutes)
+  python experiments/bench_straggler.py --quick      # short runs, 3 rounds (about 20-25 minutes)
+  python experiments/bench_straggler.py              # long runs, 3 rounds (about 50-95 minutes)
   python experiments/bench_straggler.py --quick --mode=real --scenarios=steady \
       --policies=even,static,semi                    # a part of it
 
