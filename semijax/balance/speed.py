@@ -72,10 +72,12 @@ class SchedShare:
 
   For each of this process's threads the kernel counts nanoseconds on a CPU and nanoseconds
   runnable but waiting for one (/proc/self/task/*/schedstat). Over the window since the last
-  call, share = on / (on + waiting): about 1.0 on a core of its own, 0.5 beside one CPU-bound
-  competitor. Time blocked in a collective counts as neither. `measure` reports 1 / share as the
-  relative time of a fixed amount of work on each local device (a process's devices share its
-  cores), so it plugs in where `Probe` does, without computing anything.
+  call, share = on / (on + waiting), summed over the threads' changes: about 1.0 on a core of
+  its own, 0.5 beside one CPU-bound competitor. Time blocked in a collective counts as neither,
+  and so does the window's time of a thread that ended in it (its counters are gone; subtracting
+  its earlier totals would make the window's sums wrong, even negative). `measure` reports
+  1 / share as the relative time of a fixed amount of work on each local device (a process's
+  devices share its cores), so it plugs in where `Probe` does, without computing anything.
   """
 
   PATH = "/proc/self/task"
@@ -87,23 +89,24 @@ class SchedShare:
   @classmethod
   def available(cls) -> bool:
     try:
-      return os.path.isdir(cls.PATH) and cls._read_once()[0] > 0
+      return os.path.isdir(cls.PATH) and sum(on for on, _ in cls._read_once().values()) > 0
     except (OSError, ValueError):
       return False
 
   @classmethod
-  def _read_once(cls) -> tuple[int, int]:
-    on = wait = 0
+  def _read_once(cls) -> dict[str, tuple[int, int]]:
+    """{thread id: (ns on a CPU, ns runnable but waiting)} of the live threads."""
+    out = {}
     for task in os.listdir(cls.PATH):
       try:
         with open(os.path.join(cls.PATH, task, "schedstat")) as f:
           a, b, _ = f.read().split()
       except (OSError, ValueError):     # a thread that just ended
         continue
-      on, wait = on + int(a), wait + int(b)
-    return on, wait
+      out[task] = (int(a), int(b))
+    return out
 
-  def _read(self) -> tuple[int, int]:
+  def _read(self) -> dict[str, tuple[int, int]]:
     return self._read_once()
 
   def warm_up(self) -> None:
@@ -112,7 +115,10 @@ class SchedShare:
   def measure(self) -> dict[int, float]:
     """{device id: 1 / share} over the window since the previous call."""
     now = self._read()
-    on, wait = now[0] - self._last[0], now[1] - self._last[1]
+    on = wait = 0
+    for task, (a, b) in now.items():      # a thread started in the window counts from zero
+      a0, b0 = self._last.get(task, (0, 0))
+      on, wait = on + a - a0, wait + b - b0
     self._last = now
     share = on / (on + wait) if on + wait > 0 else 1.0
     return {d.id: 1.0 / max(share, 1e-3) for d in self.devices}
