@@ -6,6 +6,7 @@ must compile nothing inside training steps after warm-up; decisions are logged w
 
 import json
 import os
+import types
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from helpers import tiny_gpt
 from semijax.balance import coordinator
+from semijax.balance import mover as mover_lib
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 
@@ -86,9 +88,12 @@ def test_semi_resizes_a_short_slowdown(tmp_path, even):
   assert not np.allclose(summary["losses"], even["losses"], rtol=1e-5)
 
 
-def test_migrations_switch_buckets_and_keep_the_state():
+def test_migrations_switch_buckets_and_keep_the_state(monkeypatch):
   # migrate starts in the tight bucket; an uneven split re-lays the state out in the big bucket,
-  # the even split brings it back; the logical state never changes.
+  # the even split brings it back; the logical state never changes. The mover's clock is
+  # scripted: each move reports the seconds between its two readings, and the total adds up.
+  reads = iter([10.0, 10.75, 30.0, 30.5])
+  monkeypatch.setattr(mover_lib, "time", types.SimpleNamespace(perf_counter=lambda: next(reads)))
   c = tiny_gpt(tensor=4)
   c.balance.policy = "migrate"
   run = config_lib.validate(c)
@@ -102,15 +107,17 @@ def test_migrations_switch_buckets_and_keep_the_state():
   want = jax.device_get(engine.to_logical(state, start))
   uneven = b.buckets.target(start, {"mlp": (4, 20, 20, 20), "heads": (2, 2, 2, 2)})
   state, seconds = b.mover.timed_move(state, start, uneven)
-  assert uneven.mlp.capacity == 32 and uneven.mlp.counts == (4, 20, 20, 20) and seconds > 0
+  assert uneven.mlp.capacity == 32 and uneven.mlp.counts == (4, 20, 20, 20)
+  assert seconds == 0.75
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(engine.to_logical(state, uneven)),
                want)
   back = b.buckets.target(uneven, {"mlp": (16, 16, 16, 16), "heads": (2, 2, 2, 2)})
-  state, _ = b.mover.timed_move(state, uneven, back)
+  state, seconds = b.mover.timed_move(state, uneven, back)
+  assert seconds == 0.5
   assert back.bucket() == start.bucket() and back.mlp.counts == (16, 16, 16, 16)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(engine.to_logical(state, back)),
                want)
-  assert b.mover.moves == 2
+  assert b.mover.moves == 2 and b.mover.seconds == 1.25
 
 
 @pytest.mark.parametrize("field,value,match", [
