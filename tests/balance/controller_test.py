@@ -1,4 +1,5 @@
-"""The cost model on hand-computed cases, the controller on scripted speed traces, the tracker.
+"""The cost model on hand-computed cases, the controlled policies' candidates and choices on
+scripted speed traces, the tracker.
 
 The model used throughout: 8 MLP units on 2 devices, compiled widths (2, 4, 6, 8), heads with no
 FLOPs (so only the MLP counts), one measured step of 1.0 s at (4, 4) units and speeds (1, 0.5):
@@ -100,9 +101,6 @@ def test_semi_keep_equalizes_within_budget():
   assert c.equalizing_keep(OWNED, EVEN) is None
   # Budget 0.25: keep at least 0.75 even though 0.5 would balance.
   assert controller(resize_budget=0.25).equalizing_keep(OWNED, SLOW) == (1.0, 0.75)
-  # The resize policy always uses its fixed keep on slow devices.
-  c = controller("resize", resize_keep=0.25)
-  assert c.policy.candidates(c, SLOW, 100.0)["resize"].keep == (1.0, 0.25)
 
 
 def test_amortization_decides_whether_a_migration_pays():
@@ -113,7 +111,8 @@ def test_amortization_decides_whether_a_migration_pays():
   assert short.predicted_s["migrate"] == pytest.approx(0.775 + 0.5)
   long = c.decide(1, SLOW, expected_s=100.0, step_s=1.0)  # 0.775 + 0.01 < 1.0
   assert long.choice == "migrate" and long.moves
-  assert long.setup.owned["mlp"] == (6, 2)
+  assert long.setup.owned["mlp"] == (6, 2) == long.setup.computed["mlp"]
+  assert long.setup.keep is None
   assert long.predicted_s["migrate"] == pytest.approx(0.785)
 
 
@@ -178,11 +177,19 @@ def test_hysteresis_ignores_small_gains_and_noise():
   assert moves == 0
 
 
-def test_resize_policy_follows_the_slow_devices():
-  c = controller("resize")
+@pytest.mark.parametrize("settings,keep", [
+    ({}, 0.5),                                   # the authors' keep ratio (the default)
+    ({"resize_keep": 0.25, "patience": 5}, 0.25),
+])
+def test_resize_policy_follows_the_slow_devices(settings, keep):
+  # Every slow device keeps `resize_keep` while it is slow, from the first decision that sees
+  # it slow (no patience, no hysteresis), and everybody computes everything again at once.
+  c = controller("resize", **settings)
   trace = [EVEN, SLOW, SLOW, EVEN]
-  got = [c.decide(i, s, expected_s=100, step_s=1.0).setup.keep for i, s in enumerate(trace)]
-  assert got == [None, (1.0, 0.5), (1.0, 0.5), None]
+  got = [c.decide(i, s, expected_s=100, step_s=1.0) for i, s in enumerate(trace)]
+  assert [d.choice for d in got] == ["exact", "resize", "resize", "exact"]
+  assert [d.setup.keep for d in got] == [None, (1.0, keep), (1.0, keep), None]
+  assert all(d.setup.owned == OWNED == d.setup.computed for d in got)
 
 
 def test_offload_policy_keeps_ownership():
@@ -362,16 +369,32 @@ def test_skip_budget_holds_back_resizing_until_the_run_has_earned_it():
   assert all(c.decide(s, SLOW, expected_s=1.0, step_s=1.0).choice == "exact" for s in range(10))
 
 
-def test_semi_resizes_a_lasting_slowdown_only_while_migrating_does_not_pay():
-  # Beyond the horizon, resizing is a candidate until migrating pays (expected duration long
-  # enough to amortize the move), then semi migrates.
-  c = controller(skip_budget=0.9, resize_horizon_steps=0, patience=1)
-  assert set(c.policy.candidates(c, SLOW, 2.0)) == {"resize", "migrate"}    # 1.275 > 1.0
-  assert set(c.policy.candidates(c, SLOW, 100.0)) == {"migrate"}             # 0.785 < 0.95
-  # Nothing to migrate to (the split cannot change): resizing stays a candidate.
-  c = controller(skip_budget=0.9, resize_horizon_steps=0, patience=1)
-  c.capacity = {"mlp": 4, "heads": 1}
-  assert set(c.policy.candidates(c, SLOW, 100.0)) == {"resize"}
+@pytest.mark.parametrize("settings,capacity,speeds,expected_steps,want", [
+    # Beyond the horizon (0 by default), resizing is a candidate until migrating pays: exact
+    # 1.0 s; migrate 0.775 + 2 * 0.5 / expected steps (0.95 = the hysteresis' bar).
+    ({}, None, SLOW, 2.0, {"resize", "migrate"}),                        # 1.275 > 0.95
+    ({}, None, SLOW, 8.0, {"migrate"}),                                  # 0.9 < 0.95
+    ({}, None, SLOW, 100.0, {"migrate"}),                                # 0.785 < 0.95
+    # Nothing to migrate to (the split cannot change): resizing stays a candidate.
+    ({}, {"mlp": 4, "heads": 1}, SLOW, 100.0, {"resize"}),
+    # Slowdowns expected to end within the horizon are resized even where migrating pays.
+    ({"resize_horizon_steps": 8}, None, SLOW, 8.0, {"resize", "migrate"}),
+    ({"resize_horizon_steps": 8}, None, SLOW, 50.0, {"migrate"}),
+    # The default skip budget (0.02 of the steps run) does not hold one resized step yet.
+    ({"resize_horizon_steps": 8, "skip_budget": 0.02}, None, SLOW, 8.0, {"migrate"}),
+    # Nobody slow: nothing to propose.
+    ({"resize_horizon_steps": 8}, None, EVEN, 8.0, set()),
+])
+def test_semi_candidates(settings, capacity, speeds, expected_steps, want):
+  c = controller(**{"skip_budget": 0.9, **settings})
+  if capacity is not None:
+    c.capacity = capacity
+  got = c.policy.candidates(c, speeds, expected_steps)
+  assert set(got) == want
+  if "resize" in got:                         # device 1 keeps half: as fast as device 0
+    assert got["resize"] == ctl.Setup(OWNED, OWNED, (1.0, 0.5))
+  if "migrate" in got:
+    assert got["migrate"] == ctl.Setup.of({"mlp": (6, 2), "heads": (1, 1)})
 
 
 def test_bucketed_counts_balance_time_with_repeated_work():
