@@ -3,7 +3,8 @@
 The dense equivalent of a resized step is built here independently of the engine: a resized
 device's skipped units (units mode) or skipped input features and row units (contraction mode)
 are zeroed in the *logical* weights, kept ones scaled for "rescale", and the standard Flax
-reference model runs on one device.
+reference model runs on one device; "fill" then writes its constant into the skipped entries of
+the reference gradient.
 """
 
 import os
@@ -26,6 +27,11 @@ from semijax.train import metrics
 
 KEEP = (0.5, 1.0, 0.5, 0.25)
 D_MODEL = H.GPT_KW["d_model"]
+# The "fill" constant of these tests: not the default, so that a step which ignores the setting
+# is seen; as small as the authors' so that an unfrozen step still moves skipped weights through
+# their Adam moments, not through the fill.
+FILL = 3e-12
+ADAM_B1 = 0.9                 # optax.adamw's default (helpers.make_engine)
 
 
 def uneven_layout(seed):
@@ -88,32 +94,56 @@ def dense_equivalent(eng, layout, rz, params):
   return jax.tree.unflatten(treedef, new_leaves), jax.tree.unflatten(treedef, mask_leaves)
 
 
+def logical_params(eng, tree, layout):
+  """A padded parameter-shaped tree of `layout` in logical form, as numpy leaves."""
+  tree = jax.tree.map(jax.device_put, tree, eng.param_shardings)
+  out = eng.to_logical(engine_lib.TrainState(tree, eng.tx.init(tree)), layout).params
+  return [np.asarray(x) for x in jax.tree.leaves(out)]
+
+
 @pytest.mark.parametrize("mode,imputation", [("units", "zero"), ("units", "rescale"),
+                                             ("units", "fill"),
                                              ("contraction", "zero"), ("contraction", "rescale")])
 def test_resized_step_matches_dense_equivalent(mode, imputation):
+  """Logits, gradients and skipped entries of a resized step match the dense equivalent's.
+
+  "fill" acts only in the train step, on the gradient it applies: one unfrozen step from zero
+  Adam moments leaves mu = (1 - b1) x that gradient, which must be the reference gradient with
+  `FILL` in every skipped entry. The skip masks, where fill writes and freeze holds, are checked
+  against the independent ones in both modes.
+  """
   eng = H.make_engine("gpt", 1, 4)
   layout = uneven_layout(7)
   logical = eng.init_logical(0)
   state = eng.to_padded(logical, layout)
   pr = make_priority(eng, layout, keep=KEEP, mode=mode, imputation=imputation,
-                     priority="random")
+                     priority="random", fill_value=FILL, freeze=imputation != "fill")
   rz = pr.select(layout, KEEP)
   assert rz.skip["mlp"].sum() > 4 and rz.skip["heads"].sum() == 2 * (1 + 1 + 1)
   batch_np = H.make_batch("gpt", 3)
-  logits, grads = H.logits_and_grads(eng, state.params, eng.shard_batch(batch_np),
-                                     eng.plan(layout, resize=rz))
+  plan = eng.plan(layout, resize=rz)
+  logits, grads = H.logits_and_grads(eng, state.params, eng.shard_batch(batch_np), plan)
   dense, skipped = dense_equivalent(eng, layout, rz, logical.params)
+  skipped = jax.tree.leaves(skipped)
   ref_logits, ref_grads = H.reference_logits_and_grads("gpt", dense, batch_np)
+  ref_grads = [np.asarray(r) for r in jax.tree.leaves(ref_grads)]
   np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=3e-5, rtol=1e-5)
   exact_logits = eng.logits(state.params, eng.shard_batch(batch_np), eng.plan(layout))
   assert np.abs(np.asarray(exact_logits) - np.asarray(logits)).max() > 1e-3   # it did resize
+  masks = padded_masks(eng, state.params, plan)
+  for got, want in zip(logical_params(eng, jax.tree.map(np.float32, masks), layout), skipped):
+    np.testing.assert_array_equal(got == 1, want)
   if imputation == "zero":
-    grads = eng.to_logical(engine_lib.TrainState(grads, eng.tx.init(grads)), layout).params
-    for g, r, m in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads),
-                       jax.tree.leaves(skipped)):
-      g = np.asarray(g)
+    for g, r, m in zip(logical_params(eng, grads, layout), ref_grads, skipped):
       assert np.all(g[m] == 0)
-      np.testing.assert_allclose(g[~m], np.asarray(r)[~m], atol=3e-5, rtol=1e-5)
+      np.testing.assert_allclose(g[~m], r[~m], atol=3e-5, rtol=1e-5)
+  if imputation == "fill":
+    state, _ = eng.train_step(state, eng.shard_batch(batch_np), plan)
+    mu = param_moments(eng, eng.to_logical(state, layout).opt_state)[:len(skipped)]
+    for g, r, m in zip(mu, ref_grads, skipped):
+      g = g / (1 - ADAM_B1)
+      np.testing.assert_allclose(g[m], FILL, rtol=1e-5, atol=0)
+      np.testing.assert_allclose(g[~m], r[~m], atol=3e-5, rtol=1e-5)
 
 
 def train_steps(eng, state, layout, plans, batches):
@@ -157,13 +187,14 @@ def param_moments(eng, opt_state):
 @pytest.mark.parametrize("mode", resize_lib.MODES)
 def test_freeze_keeps_skipped_units_and_moments_unchanged(mode):
   eng = H.make_engine("gpt", 1, 4)
-  layout = uneven_layout(5)
+  layout = uneven_layout(7)   # the dense test's: its unfrozen fill step is this program
   batches = [eng.shard_batch(H.make_batch("gpt", s)) for s in range(3)]
   state, _ = train_steps(eng, eng.init(0, layout), layout, [eng.plan(layout)] * 2, batches)
   before = jax.tree.map(np.asarray, state)
   after = {}
   for freeze in (True, False) if mode == "units" else (True,):
-    pr = make_priority(eng, layout, keep=KEEP, mode=mode, imputation="fill", freeze=freeze)
+    pr = make_priority(eng, layout, keep=KEEP, mode=mode, imputation="fill", freeze=freeze,
+                       fill_value=FILL)
     plan = eng.plan(layout, resize=pr.select(layout, KEEP))
     masks = padded_masks(eng, state.params, plan)
     start = eng.to_padded(eng.to_logical(state, layout), layout)   # a copy (steps donate)
