@@ -1,7 +1,9 @@
 """Lossless migration: one compiled collective moves unit ownership; training does not notice.
 
-  * exactness: a run that migrates at step k equals (bit for bit) the run that re-laid its
-    state out through the logical form, and matches the run that never migrated to fp32 round-off;
+  * exactness: the migrated state equals (bit for bit) a numpy permutation of the gathered state
+    by the two layouts' unit maps, so training on equals training from that permutation; and a
+    run that migrates at step k matches the run that never migrated to fp32 round-off;
+  * payload: the bytes reported for a move are the moved units' bytes, counted by hand;
   * compiles: one executable serves every layout pair of a capacity bucket, a bucket switch
     compiles once;
   * properties (hypothesis, random layout pairs): every unit owned exactly once, padding zero,
@@ -29,10 +31,6 @@ from semijax.train import checkpoint as checkpoint_lib
 N = 8
 
 
-def copy(tree):
-  return jax.tree.map(jnp.copy, tree)
-
-
 def bits(tree):
   return [np.asarray(x).view(np.uint32) if np.asarray(x).dtype == np.float32 else np.asarray(x)
           for x in jax.tree.leaves(tree)]
@@ -55,12 +53,68 @@ def shift_units(layout, mlp=3, heads=1):
   return migrate.move_units(layout, moves)
 
 
+def owner_changes(a, b):
+  """{kind: units whose owner differs between layouts a and b}, from the owned lists."""
+  owner = lambda u: {x: d for d, o in enumerate(u.owned) for x in o}
+  return {k: sum(owner(u)[x] != owner(b.kinds()[k])[x] for x in range(u.num_units))
+          for k, u in a.kinds().items()}
+
+
 # --- training exactness ---------------------------------------------------------------------
+
+
+def _on(axis, index):
+  return (slice(None),) * axis + (index,)
+
+
+def permute_units(x, axis, unit_size, src, dst):
+  """Host array `x` padded in UnitLayout `src` -> padded in `dst`: each unit's entries copied to
+  its slot under `dst`, zeros on padding (written from the owned lists, not the layout code)."""
+  slot_a = {u: d * src.capacity + j for d, units in enumerate(src.owned)
+            for j, u in enumerate(units)}
+  shape = list(x.shape)
+  shape[axis] = dst.num_devices * dst.capacity * unit_size
+  out = np.zeros(shape, x.dtype)
+  for d, units in enumerate(dst.owned):
+    for j, u in enumerate(units):
+      to, fro = (d * dst.capacity + j) * unit_size, slot_a[u] * unit_size
+      out[_on(axis, slice(to, to + unit_size))] = x[_on(axis, slice(fro, fro + unit_size))]
+  return out
+
+
+def permute_state(eng, state, a, b):
+  """A padded TrainState of layout `a` moved to `b` on the host: parameters, and every
+  parameter-shaped subtree of the optimizer state (Adam's moments), by `permute_units` along the
+  model's declared unit axes; scalars (step counts) as they are."""
+  params_def = jax.tree.structure(state.params)
+  sizes = eng.unit_sizes
+
+  def params(tree):
+    def one(x, ax):
+      x = np.asarray(jax.device_get(x))
+      if (unit := ax.unit()) is None:
+        return x
+      axis, kind = unit
+      return permute_units(x, axis, sizes[kind], a.kinds()[kind], b.kinds()[kind])
+    return jax.tree.map(one, tree, eng.axes)
+
+  is_params = lambda t: isinstance(t, dict) and jax.tree.structure(t) == params_def
+  opt = jax.tree.map(lambda t: params(t) if is_params(t) else np.asarray(jax.device_get(t)),
+                     state.opt_state, is_leaf=is_params)
+  moments = [t for t in jax.tree.leaves(state.opt_state, is_leaf=is_params) if is_params(t)]
+  assert len(moments) == 2                                   # Adam's mu and nu were moved
+  return engine_lib.TrainState(params(state.params), opt)
+
+
+def put_like(host, like):
+  """Host arrays placed with the shardings of the leaves of `like`."""
+  return jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), host, like)
 
 
 @pytest.fixture(scope="module")
 def run():
-  """GPT on 8 tensor devices: 4 steps on A; 2 on A, migrate, 2 on B; the same via relayout."""
+  """GPT on 8 tensor devices: 4 steps on A; 2 on A, migrate, 2 on B; the same from the state
+  moved by a numpy permutation."""
   eng = H.make_engine("gpt", 1, N)
   a = H.random_layout(3, N)
   b = shift_units(a)
@@ -75,36 +129,35 @@ def run():
       losses.append(float(m["loss"]))
     return state
 
-  ref_losses, mig_losses, rel_losses = [], [], []
+  ref_losses, mig_losses, perm_losses = [], [], []
   ref = steps(eng.init(0, a), a, 0, 4, ref_losses)
   start = steps(eng.init(0, a), a, 0, 2, mig_losses)
-  rel_losses[:] = mig_losses
-  via_logical = eng.relayout(copy(start), a, b)
+  perm_losses[:] = mig_losses
+  on_host = permute_state(eng, start, a, b)
   compiles = eng.compile_count
   migrated = mig.migrate_state(start, moves, eng.tx, eng.axes)
-  assert_bitwise(migrated, via_logical)       # the collective = the logical round trip
+  assert_bitwise(migrated, on_host)           # the collective = the numpy permutation
+  permuted = put_like(on_host, migrated)
   migrated = steps(migrated, b, 2, 2, mig_losses)
-  relaid = steps(via_logical, b, 2, 2, rel_losses)
+  permuted = steps(permuted, b, 2, 2, perm_losses)
   assert eng.compile_count == compiles        # B is in A's bucket: no new train step
-  return dict(eng=eng, a=a, b=b, ref=ref, migrated=migrated, relaid=relaid, moves=moves,
-              losses=(ref_losses, mig_losses, rel_losses))
+  return dict(eng=eng, a=a, b=b, ref=ref, migrated=migrated, permuted=permuted, moves=moves,
+              losses=(ref_losses, mig_losses, perm_losses))
 
 
 def test_migration_moves_only_units_that_change_owner(run):
   moves = run["moves"]
   assert moves.units_moved() == {"mlp": 3, "heads": 1}
+  changed = owner_changes(run["a"], run["b"])
   for k, m in moves.kinds.items():
     assert np.trace(m.pairs) == 0 and m.pairs.sum() == moves.units_moved()[k]
-    a, b = run["a"].kinds()[k], run["b"].kinds()[k]
-    owner = lambda u: {x: d for d, o in enumerate(u.owned) for x in o}
-    changed = sum(owner(a)[x] != owner(b)[x] for x in range(a.num_units))
-    assert m.moved == changed
+    assert m.moved == changed[k]
 
 
 def test_training_with_a_migration_matches_training_without(run):
-  eng, ref_losses, mig_losses, rel_losses = run["eng"], *run["losses"]
-  assert mig_losses == rel_losses                         # bit for bit
-  assert_bitwise(run["migrated"], run["relaid"])
+  eng, ref_losses, mig_losses, perm_losses = run["eng"], *run["losses"]
+  assert mig_losses == perm_losses                        # bit for bit
+  assert_bitwise(run["migrated"], run["permuted"])
   np.testing.assert_allclose(mig_losses, ref_losses, rtol=1e-6, atol=0)
   moved = eng.to_logical(run["migrated"], run["b"]).params
   ref = eng.to_logical(run["ref"], run["a"]).params
@@ -239,6 +292,45 @@ def test_ppermute_rounds_per_kind_and_dtype(small):
   assert_bitwise(moved, place(mesh, want))
 
 
+# --- payload ----------------------------------------------------------------------------------
+
+
+def test_payload_bytes_count_the_moved_units_and_the_wire(run):
+  # Small tree, d = 3, two entries per head: an MLP unit is a w1 column (3 float32) and a b1
+  # entry (bfloat16 here), 12 + 2 bytes; a head is 2 rows of wo, 2 * 3 float32 = 24 bytes.
+  a = random_layout(3)
+  per_unit = {"mlp": 3 * 4 + 2, "heads": 2 * 3 * 4}
+  tree = dict(small_tree(a))
+  tree["b1"] = tree["b1"].astype(jnp.bfloat16)
+  d = int(np.argmin(a.mlp.counts))
+  others = [u for e, o in enumerate(a.mlp.owned) if e != d for u in o]
+  same = shift_units(a, mlp=2, heads=1)
+  switch = migrate.move_units(a, {"mlp": [(u, d) for u in others[:7 - a.mlp.counts[d]]]},
+                              capacities={"mlp": (5, 8)})          # C_A = 5 -> C_B = 8
+  assert switch.mlp.capacity == 8
+  for b, chunk, k in ((same, 1, {"mlp": 1, "heads": 1}), (same, None, {"mlp": 5, "heads": 2}),
+                      (switch, None, {"mlp": 5, "heads": 2})):
+    got = migrate.payload_bytes(tree, SMALL_AXES, migrate.plan(a, b, chunk=chunk), SIZES)
+    moved = owner_changes(a, b)
+    assert got["per_unit"] == per_unit
+    assert got["moved"] == sum(per_unit[kind] * n for kind, n in moved.items())
+    # Every ordered pair of distinct devices exchanges K slots per kind.
+    assert got["wire"] == sum(per_unit[kind] * N * (N - 1) * k[kind] for kind in k)
+  # A GPT TrainState (d_model 32, 8 heads of 4, 2 layers): an MLP unit is a w1 column, a b1
+  # entry and a w2 row; a head is 4 columns of wq, wk, wv, their biases and 4 rows of wo; the
+  # parameters and Adam's two moments move, all float32.
+  eng, b = run["eng"], run["b"]
+  kw, layers = H.GPT_KW, H.GPT_KW["num_layers"]
+  dm, hd = kw["d_model"], kw["d_model"] // kw["num_heads"]
+  per_unit = {"mlp": (2 * dm + 1) * layers * 3 * 4,
+              "heads": (4 * hd * dm + 3 * hd) * layers * 3 * 4}
+  moves = migrate.plan(b, run["a"])
+  got = migrate.payload_bytes(run["migrated"], eng.tree_axes(run["migrated"]), moves,
+                              eng.unit_sizes)
+  assert got["per_unit"] == per_unit
+  assert got["moved"] == 3 * per_unit["mlp"] + 1 * per_unit["heads"]
+
+
 # --- properties over random layout pairs ----------------------------------------------------
 
 
@@ -251,12 +343,17 @@ def unit_codes(layout, hd=2, d=3):
           "ln": np.zeros(d, np.float32), "count": np.int32(0)}
 
 
-@settings(max_examples=15, deadline=None, database=None)
+# derandomize: the examples are a function of the test alone, so a failure replays as it is (the
+# falsifying seeds are printed, and the layouts are functions of them).
+@settings(max_examples=15, deadline=None, database=None, derandomize=True)
 @given(seed_a=st.integers(0, 2**31 - 1), seed_b=st.integers(0, 2**31 - 1),
-       chunk=st.sampled_from([None, "tight"]))
-def test_property_ownership_padding_and_round_trip(small, seed_a, seed_b, chunk):
+       chunk=st.sampled_from([None, "tight", "sized"]), few=st.booleans())
+def test_property_ownership_padding_and_round_trip(small, seed_a, seed_b, chunk, few):
+  # `few`: B moves 1-3 MLP units and a head off A's busiest device, so "tight" and "sized" pick a
+  # chunk below the capacity; otherwise B is an unrelated random layout.
   mig, mesh = small["mig"], small["mesh"]
-  a, b = random_layout(seed_a), random_layout(seed_b)
+  a = random_layout(seed_a)
+  b = shift_units(a, mlp=1 + seed_b % 3) if few else random_layout(seed_b)
   moves = migrate.plan(a, b, chunk=chunk)
   # Ownership: after the move, slot s holds exactly the unit B assigns to it, once.
   codes = mig(place(mesh, unit_codes(a)), SMALL_AXES, moves)
