@@ -56,8 +56,37 @@ def test_random_uneven_layout_matches_reference(model, seed, data, tensor):
   check_against_reference(model, H.make_engine(model, data, tensor), layout, seed)
 
 
+def slot_entries(u, unit_size):
+  """[U*unit_size]: the padded entry of each logical entry in UnitLayout `u` (from its owned
+  lists)."""
+  slot = {unit: d * u.capacity + j for d, units in enumerate(u.owned)
+          for j, unit in enumerate(units)}
+  return np.array([slot[unit] * unit_size + e for unit in range(u.num_units)
+                   for e in range(unit_size)])
+
+
+def host_padding(eng, layout, tree, pad):
+  """A logical parameter tree padded in `layout` (`pad`) or a padded one made logical, with
+  numpy, along the model's unit axes."""
+  def one(x, a):
+    x = np.asarray(x)
+    if (unit := a.unit()) is None:
+      return x
+    axis, kind = unit
+    entries = slot_entries(layout.kinds()[kind], eng.unit_sizes[kind])
+    if not pad:
+      return np.take(x, entries, axis=axis)
+    shape = list(x.shape)
+    shape[axis] = layout.kinds()[kind].num_slots * eng.unit_sizes[kind]
+    out = np.zeros(shape, x.dtype)
+    out[(slice(None),) * axis + (entries,)] = x
+    return out
+  return jax.tree.map(one, tree, eng.axes)
+
+
 def test_every_bucket_width_matches_reference():
-  # 4 devices own 3/6/9/12 of 30 MLP units and 1/1/2/4 heads: every compiled width is executed.
+  # 4 devices own 3/6/9/12 of 30 MLP units and 1/1/2/4 heads: every compiled width is executed,
+  # forward and backward.
   mlp = L.UnitLayout.from_counts("mlp", (3, 6, 9, 30 - 18), capacity=12)
   heads = L.UnitLayout.from_counts("heads", (1, 1, 2, 4), capacity=4, widths=(1, 2, 4))
   layout = L.Layout(mlp=mlp, heads=heads)
@@ -67,14 +96,26 @@ def test_every_bucket_width_matches_reference():
   kw = dict(kw, d_ff=30)
   eng = engine_lib.Engine(lambda rngs: model_cls(rngs=rngs, **kw), task,
                           H.mesh_lib.make_mesh(1, 4), optax.sgd(0.1))
-  logical = eng.init_logical(0)
-  state = eng.to_padded(logical, layout)
+  # Exactly 30 units (the sharded logical form pads to 32), packed on the host.
+  logical = eng.logical_arrays(eng.init_logical(0).params)
+  params = jax.device_put(host_padding(eng, layout, logical, pad=True), eng.param_shardings)
   batch_np = H.make_batch("gpt")
-  logits, grads = H.logits_and_grads(eng, state.params, eng.shard_batch(batch_np),
-                                     eng.plan(layout))
-  graphdef, ref_params = ref.build(ref_cls, logical.params, **kw)
-  ref_logits = jax.jit(lambda p, x: ref.apply(graphdef, p, x))(ref_params, batch_np["inputs"])
+  logits, grads = H.logits_and_grads(eng, params, eng.shard_batch(batch_np), eng.plan(layout))
+  graphdef, ref_params = ref.build(ref_cls, logical, **kw)
+
+  def ref_loss(p):
+    logits = ref.apply(graphdef, p, jnp.asarray(batch_np["inputs"]))
+    logp = jax.nn.log_softmax(logits)
+    targets = jnp.asarray(batch_np["targets"])[..., None]
+    return -jnp.mean(jnp.take_along_axis(logp, targets, -1)), logits
+
+  ref_grads, ref_logits = jax.jit(jax.grad(ref_loss, has_aux=True))(ref_params)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=ATOL, rtol=1e-5)
+  for _, _, _, padding in H.split_slots(eng, grads, layout):
+    assert np.all(padding == 0)
+
+  H.assert_trees_close(host_padding(eng, layout, grads, pad=False),
+                       ref.from_reference(ref_grads), atol=ATOL)
 
 
 def test_inactive_units_are_skipped_exactly():
