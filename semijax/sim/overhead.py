@@ -14,7 +14,8 @@ Per cluster size (`measure`):
                       (device id and time, plus one row for the step time): P x (devices per
                       process + 1) x 16 bytes; with fewer, every process reads every process's
                       JSON record from the key-value store (`sampling.KeyValueGather`: P records
-                      of about 20 bytes per device);
+                      of about 30 bytes per device: its id and its time, a float64 written with
+                      its full 17 digits);
   planner             the library's partition and placement planner (`semijax.planner`) on the
                       same devices (`sim.planning`): the run's model and global batch, each
                       device at its mean speed over the `semi` run, the cluster's links (NVLink
@@ -54,7 +55,8 @@ def sample_bytes(devices: int, per_process: int = DEVICES_PER_PROCESS) -> int:
   if processes <= 1:
     return 0
   if processes <= sampling_lib.KV_MAX_PROCESSES:      # KeyValueGather's record, per process
-    record = json.dumps([0.123456789, [[i, 1.0 + i / 7] for i in range(per_process)]])
+    # Measured times print all their digits; the last process's ids are the widest.
+    record = json.dumps([1 / 3, [[devices - 1 - i, 1 / 3 + i / 7] for i in range(per_process)]])
     return processes * len(record)
   return processes * (per_process + 1) * 2 * FLOAT64
 

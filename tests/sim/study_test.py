@@ -2,7 +2,6 @@
 
 import numpy as np
 
-from semijax.sim import overhead
 from semijax.sim import profiles
 from semijax.sim import study
 
@@ -26,10 +25,3 @@ def test_a_small_study_has_every_column_and_its_references():
   table = study.markdown(result)
   assert table.count("\n") == 2 + 2 and "semi+ssaw" in table
   assert f"| none | {', '.join(map(str, layers))} |" in study.layers_markdown(result)
-
-
-def test_overhead_rows():
-  rows = overhead.measure(profiles.gpu_h100(0.03), sizes=(64,), steps=20)
-  (row,) = rows
-  assert row["devices"] == 64 and row["decisions"] > 0 and row["sample_bytes"] > 0
-  assert "64" in overhead.markdown(rows)
