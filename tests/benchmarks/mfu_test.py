@@ -24,11 +24,25 @@ def test_step_flops_counted_by_hand():
   assert mfu.step_flops(spec, {"mlp": 512, "heads": 8}, tokens=1024, vocab_size=256) == want
 
 
-def test_peak_tflops():
-  assert mfu.peak_tflops("NVIDIA H200") == 494.7
-  assert mfu.peak_tflops("NVIDIA A100-SXM4-80GB") == 156.0
-  assert mfu.peak_tflops("cpu") is None
+# TF32 tensor-core peaks (TFLOP/s) with 2:4 sparsity, as NVIDIA's datasheets print them, by the
+# `device_kind` JAX reports; the dense peak is half.
+SPARSE_TF32 = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4,
+               "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA L40S": 366.0, "NVIDIA L4": 120.0,
+               "NVIDIA A10": 125.0}
+
+
+def test_peak_tflops_is_the_datasheets_dense_peak_of_the_reported_kind():
+  # "L40S" and "L4", "A100" and "A10" share a prefix: each kind must find its own row.
+  for kind, sparse in SPARSE_TF32.items():
+    assert mfu.peak_tflops(kind) == pytest.approx(sparse / 2), kind
+    assert mfu.peak_tflops(kind.lower()) == mfu.peak_tflops(kind), kind
+
+
+def test_a_given_peak_wins_and_an_unknown_kind_has_none():
+  assert mfu.peak_tflops("cpu") is None and mfu.peak_tflops("TPU v4") is None
   assert mfu.peak_tflops("cpu", given=1.5) == 1.5
+  assert mfu.peak_tflops("NVIDIA H200", given=1.5) == 1.5          # over the table's
+  assert mfu.peak_tflops("NVIDIA H200", given=0.0) == mfu.peak_tflops("NVIDIA H200")
 
 
 @pytest.mark.slow

@@ -44,5 +44,9 @@ def test_delay_is_the_sum_over_blocks_of_the_slowest_device():
 
 
 def test_unit_ms_charges_forward_and_backward():
-  ms = emulation.unit_ms({"mlp": 4e3}, tokens_per_device=1000, device_gflops=2.0)
-  assert ms["mlp"] == pytest.approx(emulation.FWD_BWD_FACTOR * 4e3 * 1000 / 2e9 * 1e3)
+  # mlp: 4e3 forward FLOPs a token x 1000 tokens = 4e6; with the backward's 8e6, 1.2e7 FLOPs at
+  # 2 GFLOP/s take 6 ms. heads: 1e4 x 1000 x 3 = 3e7 FLOPs, 15 ms.
+  ms = emulation.unit_ms({"mlp": 4e3, "heads": 1e4}, tokens_per_device=1000, device_gflops=2.0)
+  assert ms == pytest.approx({"mlp": 6.0, "heads": 15.0})
+  with pytest.raises(ValueError, match="device_gflops"):
+    emulation.unit_ms({"mlp": 4e3}, tokens_per_device=1000, device_gflops=0.0)

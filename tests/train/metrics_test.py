@@ -174,8 +174,7 @@ def test_progress_line_shows_step_throughput_and_scalars():
   line = p.line(40, 0.084, 1024.0, {"train/loss": 2.31414, "val/accuracy": 0.5})
   assert line.startswith("step  40/200 | ")
   assert "loss 2.3141" in line and "accuracy 0.5000" in line and "train/" not in line
-  assert f"{1024 / 0.084:,.0f}" == "12,190"
-  assert "12,190 tokens/s" in line
+  assert "12,190 tokens/s" in line                          # 1024 / 0.084 = 12,190.48
   assert "0.084 s/step" in line
   assert _eta_seconds(line) == round(160 * 0.084)
 
