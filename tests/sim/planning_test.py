@@ -6,6 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from semijax.planner import costs as costs_lib
+from semijax.planner import predict
 from semijax.sim import planning
 from semijax.sim import profiles
 from semijax.sim import simulator
@@ -52,11 +54,18 @@ def test_a_slower_stage_gets_fewer_layers():
   assert layers[1] <= 6          # 2x slower compute, the same tensor all-reduces: 6 of 32
 
 
-def test_the_whole_plan_covers_the_devices():
+def test_the_whole_plan_trains_the_runs_batch_at_its_predicted_time():
   base = study.base_run(64, "none", HW, 10)
   plan = planning.plan(base, np.ones(64))
   assert plan.data * plan.pipe * plan.tensor == 64 and sum(plan.stage_layers) == 32
-  assert plan.predicted_s > 0
+  # The run's global batch: 2 replicas of 16 examples, in microbatches of 1, 2 or 4.
+  assert plan.microbatch_size in (1, 2, 4) and sum(plan.microbatches) * plan.microbatch_size == 32
+  # Its predicted step is the loop-by-loop time model's (`planner.predict`) for the study's GPT
+  # at the profile's FLOP rate on the simulator's links.
+  costs = costs_lib.ModelCosts.from_spec(base.workload.spec, HW.device_flops / 1e9)
+  cluster = planning.planner_cluster(base.cluster, HW, np.ones(64))
+  want = predict.predict(plan, costs, cluster)["step_s"]
+  assert plan.predicted_s == pytest.approx(want, rel=1e-9)
 
 
 def test_mean_speeds_follow_the_trace_on_the_runs_clock():
