@@ -60,25 +60,6 @@ def logged_pids(log_dir) -> list[int]:
 
 
 @pytest.mark.slow
-def test_two_process_training_run(tmp_path):
-  # Processes split the batch rows (data axis), so the 2x2 mesh spans both: data=2, tensor=2.
-  argv = [PY, os.path.join(ROOT, "experiments", "train.py"),
-          "--config", os.path.join(ROOT, "configs", "gpt_tiny.py:cpu,tensor=2,data=2"),
-          "--workdir", str(tmp_path / "work")] + [f"--config.{k}={v}" for k, v in TINY.items()]
-  cores = sorted(os.sched_getaffinity(0))
-  result = launch.launch(argv, 2, cores=[cores[:1], cores[-1:]],
-                         devices_per_process=2, env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "true"},
-                         timeout_s=240, log_dir=str(tmp_path / "logs"))
-  assert result.returncodes == [0, 0], result.failure_message() or open(
-      result.log_paths[1]).read()[-3000:]
-  records = metrics.read_jsonl(str(tmp_path / "work" / "metrics.jsonl"))
-  assert [r["step"] for r in records] == [1, 2, 3]
-  assert np.all(np.isfinite([r["train/loss"] for r in records]))
-  assert "process 0 of 2, 4 devices (2 local)" in open(result.log_paths[0]).read()
-  assert not any(alive(p) for p in result.pids)
-
-
-@pytest.mark.slow
 def test_two_process_semi_run_shares_its_decisions(tmp_path):
   # The benchmark's shape: one device per process on its own core, tensor = 2 across processes
   # (every process feeds the whole batch). Speeds come from each process's scheduler share and
@@ -193,41 +174,70 @@ def test_command_line_reports_failure(tmp_path):
 # --- contention ---------------------------------------------------------------------------------
 
 
+def state(pid: int) -> str:
+  """The scheduler's state of `pid` (/proc/<pid>/stat): R running or waiting for a core, S
+  sleeping, D waiting on I/O, T stopped by a signal."""
+  with open(f"/proc/{pid}/stat") as f:
+    return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_steady_competitor_burns_its_core():
+  """The competitor is pinned to its core and always wants it: past start-up it takes CPU time
+  and every reading finds it running or waiting for the core, never sleeping. How large a share
+  it gets depends on the machine's other load, so none is asserted."""
   inj = contention.Injector(CORE)
+  before = time.monotonic()
   with inj:
-    pid = inj.pid
+    pid, start = inj.pid, time.monotonic()
     assert os.sched_getaffinity(pid) == {CORE}
-    time.sleep(0.1)   # let it get past interpreter start-up
-    c0, t0 = cpu_s(pid), time.monotonic()
-    time.sleep(1.0)
-    used, wall = cpu_s(pid) - c0, time.monotonic() - t0
-  # A whole core when the machine is idle; other jobs on a shared machine may take some of it.
-  assert used >= 0.4 * wall, (used, wall)
+    while cpu_s(pid) < 0.05:        # the interpreter's start-up takes about 0.02 s of CPU
+      assert time.monotonic() - start < 30, "the competitor takes no CPU"
+      time.sleep(0.01)
+    readings = []
+    for _ in range(20):
+      readings.append(state(pid))
+      time.sleep(0.01)
+    inside = time.monotonic() - start
+  after = time.monotonic()
+  assert readings == ["R"] * 20, readings
   assert not alive(pid)
-  assert inj.intervals() == [(0.0, pytest.approx(1.1, abs=0.3))]
+  ((on, off),) = inj.intervals()      # on from start until stop
+  assert on == 0.0 and inside <= off <= after - before
   inj.stop()   # idempotent
   assert not alive(pid)
 
 
 def test_bursts_follow_the_schedule():
+  """On 0.5 s, off 0.5 s: every reading of the competitor at least 0.1 s from a toggle it made
+  finds it stopped (T) in an off phase and not stopped in an on phase; the toggles follow the
+  schedule, on time or at most 0.25 s late (the thread that sends them may wait for a core)."""
   inj = contention.Injector(CORE, "bursts", on_s=0.5, off_s=0.5)
-  samples = []
+  readings = []
+  before = time.monotonic()
   with inj:
     pid, start = inj.pid, time.monotonic()
-    for t in (0.1, 0.4, 0.6, 0.9, 1.1, 1.4, 1.6, 1.9):   # pairs inside on, off, on, off phases
-      time.sleep(max(0.0, t - (time.monotonic() - start)))
-      samples.append(cpu_s(pid))
-    time.sleep(max(0.0, 2.2 - (time.monotonic() - start)))
-  on = [samples[1] - samples[0], samples[5] - samples[4]]
-  off = [samples[3] - samples[2], samples[7] - samples[6]]
-  assert min(on) >= 0.1, (on, off)     # of 0.3 s; more unless the machine is busy
-  assert max(off) <= 0.03, (on, off)   # a stopped process gets no CPU (tick = 10 ms)
+    while (t := time.monotonic() - start) < 2.2:
+      readings.append((t, state(pid)))
+      time.sleep(0.01)
+    inside = time.monotonic() - start
+  after = time.monotonic()
   assert not alive(pid)
   got = inj.intervals()
-  assert len(got) == 3
-  np.testing.assert_allclose(got[:2], [(0.0, 0.5), (1.0, 1.5)], atol=0.1)
-  assert got[2][0] == pytest.approx(2.0, abs=0.1) and got[2][1] == pytest.approx(2.2, abs=0.15)
+  assert len(got) == 3 and got[0][0] == 0.0
+  planned = [0.5, 1.0, 1.5, 2.0]                         # off, on, off, on
+  toggles = [got[0][1], got[1][0], got[1][1], got[2][0]]
+  assert all(p - 0.01 <= t <= p + 0.25 for p, t in zip(planned, toggles)), got
+  assert inside <= got[2][1] <= after - before               # on until stop
+  # A reading at t on this test's clock is at t to t + lag on the injector's.
+  lag, margin = start - before, 0.1
+  phases = [0.0] + toggles + [got[2][1]]
+  judged = [0] * 5
+  for t, s in readings:
+    inside_phase = [k for k in range(5) if phases[k] + margin <= t <= phases[k + 1] - margin - lag]
+    for k in inside_phase:
+      judged[k] += 1
+      assert (s == "T") == (k % 2 == 1), (t, s, got)
+  assert min(judged[:4]) >= 1, judged
   assert [inj.is_on(t) for t in (-0.1, 0.25, 0.75, 1.25, 1.75, 10.25)] == [
       False, True, False, True, False, True]
   described = json.loads(json.dumps(inj.to_json()))

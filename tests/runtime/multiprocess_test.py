@@ -34,13 +34,22 @@ def test_two_processes_match_one_process(tmp_path):
                          log_dir=str(tmp_path))
   assert result.returncodes == [0, 0], (result.failure_message() or
                                         open(result.log_paths[0]).read()[-3000:])
-  if sys.platform.startswith("linux"):
-    # after the warm-up, each process found gloo's event loop and lowered its priority
-    for path in result.log_paths:
-      with open(path) as f:
-        found = re.findall(r"collectives' transport threads \[(\d[\d, ]*)\] now at nice \[19\]",
-                           f.read())
-      assert found, f"{path}: no transport thread was given nice 19"
+  found = []
+  for i, path in enumerate(result.log_paths):
+    with open(path) as f:
+      log = f.read()
+    assert f"process {i} of 2, 8 devices (4 local)" in log, path
+    if sys.platform.startswith("linux"):
+      # After the warm-up each process looks for gloo's event-loop threads (blocked in epoll)
+      # and gives every one it finds nice 19.
+      ((tids, nice),) = re.findall(
+          r"collectives' transport threads \[([\d, ]*)\] now at nice \[(\d*)\]", log)
+      assert nice == ("19" if tids else ""), (path, tids, nice)
+      found.append(tids)
+  # A process reads its threads 5 times in 8 ms, and a loop still waiting for a core on a loaded
+  # machine is missed then: one of the two must find its loop (core/transport_test.py checks the
+  # finding and the nice value on a real epoll thread of its own).
+  assert not found or any(found), "no process found a transport thread"
 
   config = tiny_gpt(tensor=4, steps=4, mlp=(10, 30, 4, 20), heads=(3, 1, 2, 2))
   config.mesh.data = 2
