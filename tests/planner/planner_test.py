@@ -1,10 +1,9 @@
 """The planner is optimal: on dozens of random small clusters its plan predicts exactly the
 least step time an independent exhaustive search (`brute_force`) finds. Plus its symmetry
-reduction, its placement on slow links, its baselines, its arguments and its speed."""
+reduction, its placement on slow links, its baselines, its arguments and a large cluster."""
 
 import dataclasses
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -187,15 +186,14 @@ def test_bad_requests_name_the_argument():
       search.plan(GPT_COSTS, cluster, **args)
 
 
-def test_a_large_cluster_plans_quickly():
-  # 256 devices of 8 types over 4 regions (docs/benchmarks.md reports 1,024 devices of 16 types).
+def test_a_large_cluster_gets_a_plan_that_fits_and_beats_the_even_pipeline():
+  # 256 devices of 8 types over 4 regions; how long the search takes is a benchmark's
+  # (docs/benchmarks.md reports 1,024 devices of 16 types).
   speeds = np.linspace(1.0, 0.3, 8)
   regions = [list(np.repeat(speeds[2 * r:2 * r + 2], 32)) for r in range(4)]
   cluster = cluster_lib.Cluster.two_level(regions, intra=(1e-5, 2.5e10), inter=(2e-2, 1.25e9),
                                           memory=8e10)
-  start = time.perf_counter()
   plan = search.plan(GPT_COSTS, cluster, 1024, (1, 2, 4))
-  assert time.perf_counter() - start < 60.0        # generous: the machine is shared
   assert plan.num_devices == 256 and plan.breakdown["memory_ok"]
   assert plan.predicted_s < baselines.even_pipeline(GPT_COSTS, cluster, 1024, (1, 2, 4)).predicted_s
   assert request.as_request(GPT_COSTS, cluster, 1024).num_devices == 256
