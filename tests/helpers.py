@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import dense_reference as ref
 from semijax.balance import decisions
@@ -19,6 +20,7 @@ from semijax.models import gpt, vit
 from semijax.models import tasks
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
+from semijax.train import metrics
 
 GPT_KW = dict(vocab_size=64, seq_len=8, d_model=32, num_heads=8, d_ff=48, num_layers=2)
 VIT_KW = dict(image_size=8, patch_size=2, channels=1, num_classes=10, d_model=32, num_heads=8,
@@ -170,3 +172,70 @@ def record_closes(monkeypatch) -> list:
       original(self)
     monkeypatch.setattr(cls, "close", close)
   return closed
+
+
+# --- runs stopped and resumed ------------------------------------------------------------------
+
+
+class Interrupt(Exception):
+  """The crash `interrupted` stages."""
+
+
+def interrupted(monkeypatch, run, calls, cls=engine_lib.Engine, name="train_step"):
+  """Calls `run()` with `cls.name` raising Interrupt on its call number `calls + 1` (a crash
+  mid-run), and checks that the run ended there."""
+  original = getattr(cls, name)
+  count = {"n": 0}
+
+  def patched(self, *a, **kw):
+    count["n"] += 1
+    if count["n"] > calls:
+      raise Interrupt()
+    return original(self, *a, **kw)
+  with monkeypatch.context() as m:
+    m.setattr(cls, name, patched)
+    with pytest.raises(Interrupt):
+      run()
+
+
+def check_replica_resume(train, config, tmp_path, monkeypatch, cls, name):
+  """A replica run (`config()`: 5 updates, checkpoint_every=3) stopped in its fifth update by
+  `cls.name` and resumed continues exactly as the run never stopped: same losses, validation
+  loss and microbatches per replica. Returns the resumed run's workdir. `train(config, workdir)`
+  runs one."""
+  reference = train(config(), tmp_path / "ref")
+  workdir = tmp_path / "run"
+  interrupted(monkeypatch, lambda: train(config(), workdir), 4, cls, name)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["3"]
+  resumed = train(config(), workdir)
+  assert resumed["start_step"] == 3
+  assert resumed["losses"] == reference["losses"][3:]
+  assert resumed["val/loss"] == reference["val/loss"]
+  assert resumed["sync"]["microbatches"] == reference["sync"]["microbatches"]
+  return workdir
+
+
+# --- replica runs (tensor-parallel replicas or pipelines) ---------------------------------------
+
+
+def check_equal_replicas_train_like_sync(train, config, tmp_path, steps, batch_size):
+  """`config(mode)` on equal replicas: ssaw and async take exactly sync's `steps` steps
+  (bit-identical losses and validation loss) on the same samples."""
+  reference = train(config("sync"), tmp_path / "sync")
+  for mode in ("ssaw", "async"):
+    out = train(config(mode), tmp_path / mode)
+    assert out["losses"] == reference["losses"], mode
+    assert out["val/loss"] == reference["val/loss"], mode
+    assert out["steps"] == steps and out["sync"]["samples"] == steps * batch_size, mode
+
+
+def check_every_microbatch_once(out, workdir, steps, replicas, batch_size, bound) -> list:
+  """A replica run of `steps` steps with slow replicas: each of the budget's steps x replicas
+  microbatches was applied exactly once, in more updates than steps, and the stalest gradient
+  applied was 1 to `bound` updates old. Returns the microbatches each replica computed."""
+  owned = out["sync"]["microbatches"]
+  assert sorted(j for m in owned for j in m) == list(range(steps * replicas))
+  assert out["sync"]["samples"] == steps * batch_size and out["steps"] > steps
+  records = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  assert 1 <= max(r["sync/max_staleness"] for r in records) <= bound
+  return owned

@@ -7,8 +7,6 @@ resumed from a checkpoint (which holds the in-flight gradients, or local SGD's r
 continues exactly.
 """
 
-import os
-
 import numpy as np
 import pytest
 
@@ -18,7 +16,6 @@ from semijax.sync import rounds as rounds_lib
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import loop as train
-from semijax.train import metrics
 from semijax.train import replica_loop
 
 ENGINES: dict = {}       # compiled steps shared by the runs of this module
@@ -44,25 +41,15 @@ def run(c, workdir):
 @pytest.mark.parametrize("layout", [{}, {"layout.mlp": (40, 24), "layout.heads": (5, 3),
                                          "hetero.slowdown": (1.0, 2.0)}])
 def test_equal_replicas_train_exactly_like_sync(tmp_path, layout):
-  reference = run(config(**layout), tmp_path / "sync")
-  for mode in ("ssaw", "async"):
-    out = run(config(mode, **layout), tmp_path / mode)
-    assert out["losses"] == reference["losses"], mode
-    assert out["val/loss"] == reference["val/loss"], mode
-    assert out["steps"] == 4 and out["sync"]["samples"] == 4 * 8
+  H.check_equal_replicas_train_like_sync(run, lambda mode: config(mode, **layout), tmp_path,
+                                         steps=4, batch_size=8)
 
 
 def test_slow_replicas_use_every_sample_once_and_the_fast_take_more(tmp_path):
   c = config("ssaw", (1.0, 1.0, 2.0, 4.0), steps=5, **{"sync.staleness_bound": 2})
-  out = run(c, tmp_path)
-  owned = out["sync"]["microbatches"]
-  assert sorted(j for m in owned for j in m) == list(range(5 * 4))
+  owned = H.check_every_microbatch_once(run(c, tmp_path), tmp_path, steps=5, replicas=4,
+                                        batch_size=8, bound=2)
   assert len(owned[0]) > len(owned[2]) > len(owned[3])
-  assert out["sync"]["samples"] == 5 * 8 and out["steps"] > 5
-  records = metrics.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
-  assert max(r["sync/max_staleness"] for r in records) <= 2
-  assert max(r["sync/max_staleness"] for r in records) >= 1
-  assert np.isfinite(out["val/loss"])
 
 
 def test_every_image_of_the_budget_once(tmp_path):
@@ -90,40 +77,13 @@ def test_every_image_of_the_budget_once(tmp_path):
   assert len(out["sync"]["microbatches"][1]) < len(out["sync"]["microbatches"][0])
 
 
-class Interrupt(Exception):
-  pass
-
-
-def interrupted(monkeypatch, cls, name, calls):
-  original = getattr(cls, name)
-  count = {"n": 0}
-
-  def patched(self, *a, **kw):
-    count["n"] += 1
-    if count["n"] > calls:
-      raise Interrupt()
-    return original(self, *a, **kw)
-  monkeypatch.setattr(cls, name, patched)
-
-
 @pytest.mark.parametrize("mode, extra, cls, name", [
     ("ssaw", {}, rounds_lib.RoundRunner, "round"),
     ("local_sgd", {"sync.local_steps": 2, "sync.outer": "nesterov"}, replica_loop._LocalSGD,
      "update")])
 def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name):
   c = lambda: config(mode, (1.0, 2.0, 1.0, 3.0), steps=5, checkpoint_every=3, **extra)
-  reference = run(c(), tmp_path / "ref")
-  workdir = tmp_path / "run"
-  with monkeypatch.context() as m:
-    interrupted(m, cls, name, 4)       # checkpoint after update 3, stopped in update 5
-    with pytest.raises(Interrupt):
-      run(c(), workdir)
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["3"]
-  resumed = run(c(), workdir)
-  assert resumed["start_step"] == 3
-  assert resumed["losses"] == reference["losses"][3:]
-  assert resumed["val/loss"] == reference["val/loss"]
-  assert resumed["sync"]["microbatches"] == reference["sync"]["microbatches"]
+  H.check_replica_resume(run, c, tmp_path, monkeypatch, cls, name)
 
 
 @pytest.mark.parametrize("mode, expected", [("sync", (3.0, 6.0)), ("ssaw", (1.0, 2.0))])

@@ -12,15 +12,12 @@ continues exactly; the planner can choose the mode, and the run follows its plan
 import json
 import os
 
-import numpy as np
 import pytest
 
 import helpers as H
 from semijax.errors import ConfigError
 from semijax.sync import rounds as rounds_lib
-from semijax.train import config as config_lib
 from semijax.train import loop as train
-from semijax.train import metrics
 from semijax.train import replica_loop
 
 SLOW_HALF = (1, 1, 1, 1, .5, .5, .5, .5)     # pipeline 1 (devices 4-7) at half speed
@@ -48,29 +45,19 @@ def slow(c):
   return c
 
 
+def train_in(c, workdir):
+  return train.train_and_evaluate(c, str(workdir))
+
+
 def test_equal_pipelines_train_exactly_like_sync(tmp_path):
-  reference = train.train_and_evaluate(config(), str(tmp_path / "sync"))
-  for mode in ("ssaw", "async"):
-    out = train.train_and_evaluate(config(mode), str(tmp_path / mode))
-    assert out["losses"] == reference["losses"], mode
-    assert out["val/loss"] == reference["val/loss"], mode
-    assert out["sync"]["samples"] == 4 * 8 and out["steps"] == 4
+  H.check_equal_replicas_train_like_sync(train_in, config, tmp_path, steps=4, batch_size=8)
 
 
 def test_a_slow_pipeline_uses_every_sample_once_and_the_fast_takes_more(tmp_path):
-  out = train.train_and_evaluate(slow(config("ssaw", steps=6, **{"sync.staleness_bound": 2})),
-                                 str(tmp_path))
-  owned = out["sync"]["microbatches"]
-  assert sorted(j for m in owned for j in m) == list(range(6 * 2))
+  out = train_in(slow(config("ssaw", steps=6, **{"sync.staleness_bound": 2})), tmp_path)
+  owned = H.check_every_microbatch_once(out, tmp_path, steps=6, replicas=2, batch_size=8,
+                                        bound=2)
   assert len(owned[0]) > len(owned[1])
-  assert out["sync"]["samples"] == 6 * 8 and out["steps"] > 6
-  records = metrics.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
-  assert 1 <= max(r["sync/max_staleness"] for r in records) <= 2
-  assert np.isfinite(out["val/loss"])
-
-
-class Interrupt(Exception):
-  pass
 
 
 @pytest.mark.parametrize("mode, extra, cls, name", [
@@ -78,29 +65,11 @@ class Interrupt(Exception):
     ("local_sgd", {"sync.local_steps": 2}, replica_loop._LocalSGD, "update")])
 def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name):
   c = lambda: slow(config(mode, steps=5, checkpoint_every=3, **extra))
-  reference = train.train_and_evaluate(c(), str(tmp_path / "ref"))
-  workdir = str(tmp_path / "run")
-  original, calls = getattr(cls, name), {"n": 0}
-
-  def stop_in_fifth(self, *a, **kw):
-    calls["n"] += 1
-    if calls["n"] > 4:
-      raise Interrupt()
-    return original(self, *a, **kw)
-  with monkeypatch.context() as m:
-    m.setattr(cls, name, stop_in_fifth)
-    with pytest.raises(Interrupt):
-      train.train_and_evaluate(c(), workdir)
-  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
-  resumed = train.train_and_evaluate(c(), workdir)
-  assert resumed["start_step"] == 3
-  assert resumed["losses"] == reference["losses"][3:]
-  assert resumed["val/loss"] == reference["val/loss"]
-  assert resumed["sync"]["microbatches"] == reference["sync"]["microbatches"]
+  workdir = H.check_replica_resume(train_in, c, tmp_path, monkeypatch, cls, name)
   # Done once its samples are, though its checkpoints count more updates than steps.
-  assert train.train_and_evaluate(c(), workdir).get("already_trained")
+  assert train_in(c(), workdir).get("already_trained")
   with pytest.raises(ConfigError, match=rf"config.sync.mode: the checkpoint .* by a '{mode}' run"):
-    train.train_and_evaluate(slow(config("sync", steps=6)), workdir)
+    train_in(slow(config("sync", steps=6)), workdir)
 
 
 def test_the_planner_chooses_the_mode_and_the_run_follows_it(tmp_path):

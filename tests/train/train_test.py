@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 import helpers as H
-from helpers import ROOT, load, tiny_gpt
-from semijax.core import engine as engine_lib
-from semijax.train import config as config_lib
+from helpers import load, tiny_gpt
 from semijax.train import loop as train
 from semijax.train import metrics
+
 
 def losses_of(workdir):
   return {r["step"]: r["train/loss"] for r in metrics.read_jsonl(
@@ -48,29 +47,11 @@ def test_uneven_layout_without_slowdown_gives_the_even_losses(tmp_path):
   assert even["losses"][-1] < even["losses"][0]
 
 
-class Interrupt(Exception):
-  pass
-
-
-def interrupt_after(monkeypatch, calls):
-  """Makes Engine.train_step raise on call number `calls + 1` (a crash mid-run)."""
-  original = engine_lib.Engine.train_step
-  count = {"n": 0}
-  def step(self, *a, **kw):
-    count["n"] += 1
-    if count["n"] > calls:
-      raise Interrupt()
-    return original(self, *a, **kw)
-  monkeypatch.setattr(engine_lib.Engine, "train_step", step)
-
-
 def test_resume_after_interruption_continues_exactly(tmp_path, monkeypatch):
   reference = train.train_and_evaluate(tiny_gpt(), str(tmp_path / "ref"))
   workdir = str(tmp_path / "run")
-  with monkeypatch.context() as m:
-    interrupt_after(m, 4)                       # checkpoint at 3, crash during step 5
-    with pytest.raises(Interrupt):
-      train.train_and_evaluate(tiny_gpt(), workdir)
+  H.interrupted(monkeypatch, lambda: train.train_and_evaluate(tiny_gpt(), workdir),
+                4)                            # checkpoint at 3, crash during step 5
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
   resumed = train.train_and_evaluate(tiny_gpt(), workdir)
   assert resumed["start_step"] == 3
@@ -87,10 +68,7 @@ def test_restore_onto_another_layout_and_device_count(tmp_path, monkeypatch):
   layout_b = dict(mlp=(8, 8, 8, 1, 12, 9, 9, 9), heads=(1, 1, 1, 1, 1, 1, 1, 1))
   reference = train.train_and_evaluate(tiny_gpt(**layout_a), str(tmp_path / "ref"))
   workdir = str(tmp_path / "run")
-  with monkeypatch.context() as m:
-    interrupt_after(m, 3)
-    with pytest.raises(Interrupt):
-      train.train_and_evaluate(tiny_gpt(**layout_a), workdir)
+  H.interrupted(monkeypatch, lambda: train.train_and_evaluate(tiny_gpt(**layout_a), workdir), 3)
   moved = train.train_and_evaluate(tiny_gpt(tensor=8, **layout_b), workdir)
   assert moved["start_step"] == 3
   np.testing.assert_allclose(moved["losses"], reference["losses"][3:], rtol=2e-6, atol=2e-6)
@@ -104,8 +82,5 @@ def test_every_way_out_closes_the_checkpoints_and_the_decision_log(tmp_path, mon
   config = tiny_gpt(steps=6)
   config.balance.policy = "semi"
   config.hetero.slowdown = (2.0, 1.0, 1.0, 1.0)
-  with monkeypatch.context() as m:
-    interrupt_after(m, 2)
-    with pytest.raises(Interrupt):
-      train.train_and_evaluate(config, str(tmp_path))
+  H.interrupted(monkeypatch, lambda: train.train_and_evaluate(config, str(tmp_path)), 2)
   assert sorted(closed) == ["Checkpointer", "DecisionLog"]
