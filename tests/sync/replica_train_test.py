@@ -1,7 +1,7 @@
 """train_and_evaluate with config.sync on emulated replicas (one process, 8 fake devices).
 
 Equal replicas: ssaw and async take exactly sync's steps (bit-identical losses), also on an
-uneven tensor layout with a slow tensor device. Slow replicas: every sample of the budget is
+uneven tensor layout with a slow tensor device, and record the steps log_every says. Slow replicas: every sample of the budget is
 applied exactly once, the fast take more of it, no gradient is staler than the bound. A run
 resumed from a checkpoint (which holds the in-flight gradients, or local SGD's replicas)
 continues exactly.
@@ -16,6 +16,7 @@ from semijax.sync import rounds as rounds_lib
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import loop as train
+from semijax.train import metrics
 from semijax.train import replica_loop
 
 ENGINES: dict = {}       # compiled steps shared by the runs of this module
@@ -41,8 +42,12 @@ def run(c, workdir):
 @pytest.mark.parametrize("layout", [{}, {"layout.mlp": (40, 24), "layout.heads": (5, 3),
                                          "hetero.slowdown": (1.0, 2.0)}])
 def test_equal_replicas_train_exactly_like_sync(tmp_path, layout):
-  H.check_equal_replicas_train_like_sync(run, lambda mode: config(mode, **layout), tmp_path,
-                                         steps=4, batch_size=8)
+  # Logged every 3 steps, validated at the end only: metrics.jsonl holds steps 3 and 4.
+  c = lambda mode: config(mode, log_every=3, eval_every=4, **layout)
+  H.check_equal_replicas_train_like_sync(run, c, tmp_path, steps=4, batch_size=8)
+  for mode in ("sync", "ssaw", "async"):
+    records = metrics.read_jsonl(str(tmp_path / mode / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [3, 4], mode
 
 
 def test_slow_replicas_use_every_sample_once_and_the_fast_take_more(tmp_path):

@@ -18,6 +18,7 @@ from semijax.planner import cluster as cluster_lib
 from semijax.planner import predict as predict_lib
 from semijax.train import config as config_lib
 from semijax.train import loop as train
+from semijax.train import metrics
 from semijax.train import pipelined
 
 SPEEDS = (1, 1, 1, 1, .5, .5, .5, .5)
@@ -65,7 +66,13 @@ def test_pipelined_run_matches_the_unpipelined_run(tmp_path):
 
 def test_resume_continues_exactly_and_refuses_another_stage_count(tmp_path):
   piped = {"mesh.pipe": 2, "optimizer.schedule_steps": 4}     # one schedule for every part
-  whole = train.train_and_evaluate(tiny(steps=4, **piped), str(tmp_path / "whole"))
+  # Logged every 3 steps and validated at the last only; of its checkpoints (2, 4) one is kept.
+  whole = train.train_and_evaluate(
+      tiny(steps=4, log_every=3, eval_every=4, keep_checkpoints=1, **piped),
+      str(tmp_path / "whole"))
+  assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "whole" / "metrics.jsonl"))] == [
+      3, 4]
+  assert os.listdir(tmp_path / "whole" / "checkpoints") == ["4"]
   workdir = str(tmp_path / "parts")
   train.train_and_evaluate(tiny(steps=2, **piped), workdir)
   resumed = train.train_and_evaluate(tiny(steps=4, **piped), workdir)

@@ -1,4 +1,5 @@
-"""train_and_evaluate: configs, metrics, checkpoints, resume, re-layout on restore."""
+"""train_and_evaluate: configs, metrics, checkpoints (the newest keep_checkpoints kept), resume,
+re-layout on restore."""
 
 import json
 import os
@@ -19,18 +20,22 @@ def losses_of(workdir):
 
 @pytest.mark.parametrize("name, unit", [("gpt_tiny", "tokens"), ("vit_digits", "images")])
 def test_config_smoke(tmp_path, name, unit):
+  # Validated every 2 steps, logged every 3 (and at every validation and the last step),
+  # a checkpoint every 2 steps of which the newest is kept.
   config = load(name)
-  config.steps, config.eval_every, config.log_every, config.checkpoint_every = 4, 2, 1, 0
+  config.steps, config.eval_every, config.log_every = 4, 2, 3
+  config.checkpoint_every, config.keep_checkpoints = 2, 1
   summary = train.train_and_evaluate(config, str(tmp_path))
   records = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
-  assert [r["step"] for r in records] == [1, 2, 3, 4]
+  assert [r["step"] for r in records] == [2, 3, 4]
+  assert ["val/loss" in r for r in records] == [True, False, True]
   for r in records:
-    assert np.isfinite(r["train/loss"]) and r["train/step_time_s"] > 0
+    assert r["train/loss"] == summary["losses"][r["step"] - 1]
+    assert r["train/step_time_s"] == summary["step_times_s"][r["step"] - 1]
     assert r[f"train/{unit}_per_s"] > 0
-  assert "val/loss" in records[1] and "val/loss" not in records[0]
   assert 0 <= records[-1]["val/accuracy"] <= 1 and summary["val/loss"] == records[-1]["val/loss"]
   tb = metrics.read_tensorboard(str(tmp_path / "tensorboard"))
-  assert [s for s, _ in tb["train/loss"]] == [1, 2, 3, 4]
+  assert [s for s, _ in tb["train/loss"]] == [2, 3, 4]
   np.testing.assert_allclose([v for _, v in tb["train/loss"]],
                              [r["train/loss"] for r in records], rtol=1e-6)
   saved = json.loads((tmp_path / "config.json").read_text())
