@@ -3,7 +3,8 @@
 A pipelined run computes the same updates as an unpipelined one (its losses match step for
 step), resumes exactly from its checkpoints but refuses one saved on another number of stages,
 checks its config before compiling, and its emulated step is the planner's predicted step for
-the plan it runs.
+the plan it runs. `pipeline.layer_capacity` sets the layer slots every stage compiles and
+`hetero.device_memory_gb` bounds the planner's memory.
 """
 
 import json
@@ -105,6 +106,41 @@ def test_bad_pipeline_config_is_named(key, value, field):
   set_field(c, key, value)
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
     config_lib.validate(c, 8)
+
+
+def test_layer_capacity_sets_the_slots_every_stage_compiles():
+  """Stages of 1 and 3 layers and of 2 and 2 both compile 3 slots per stage with capacity 3 (a
+  boundary moved inside it compiles nothing); without it, each the most a stage holds."""
+  def layout(layers, capacity):
+    run = config_lib.validate(tiny(**{"mesh.pipe": 2, "pipeline.layers": layers,
+                                      "pipeline.layer_capacity": capacity}), 8)
+    return pipelined.build(run, pipelined.resolve_plan(run, 8)).layout
+
+  moved = [layout("1,3", 3), layout("2,2", 3)]
+  assert [x.stage_layers for x in moved] == [(1, 3), (2, 2)]
+  assert [x.layers.capacity for x in moved] == [3, 3]
+  assert moved[0].bucket() == moved[1].bucket()
+  assert layout("2,2", 0).layers.capacity == 2 and layout("1,3", 0).layers.capacity == 3
+  with pytest.raises(ConfigError, match=r"^config\.pipeline\.layer_capacity: 2 slots, but a "
+                     r"stage holds 3 layers"):
+    layout("1,3", 2)
+
+
+def test_device_memory_bounds_the_planner():
+  """A bound just below the fastest plan's need makes the planner choose a plan that fits it
+  (slower); a bound nothing fits is refused. The bound counts 1e9 bytes per GB."""
+  c = with_links(tiny(steps=2, plan="auto"))
+  free = pipelined.resolve_plan(config_lib.validate(c, 8), 8)
+  bound = 0.999 * max(free.breakdown["memory_bytes"])
+  c.hetero.device_memory_gb = bound / 1e9
+  bounded = pipelined.resolve_plan(config_lib.validate(c, 8), 8)
+  assert max(bounded.breakdown["memory_bytes"]) <= bound
+  assert bounded.breakdown["memory_use"] == pytest.approx(
+      max(bounded.breakdown["memory_bytes"]) / bound)
+  assert bounded.predicted_s > free.predicted_s
+  c.hetero.device_memory_gb = 1e-7
+  with pytest.raises(ConfigError, match=r"^cluster\.memory: no plan fits"):
+    pipelined.resolve_plan(config_lib.validate(c, 8), 8)
 
 
 def test_planned_run_emulates_the_predicted_step(tmp_path):
