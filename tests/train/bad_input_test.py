@@ -41,7 +41,6 @@ def refused(config, workdir, match):
      r"^config.batch_size: 7 is not divisible by mesh.data \* processes = 2 \* 1"),
     (lambda c: c.data.update(name="text_file", path="/no/such/corpus.txt"),
      r"^config.data.path: no such file"),
-    (lambda c: c.data.__setattr__("name", "wikipedia"), r"^config.data.name: 'wikipedia'"),
 ])
 def test_bad_config_is_refused_before_compiling(tmp_path, edit, match):
   config = tiny_gpt()

@@ -29,11 +29,6 @@ class Case:
 
 
 CASES = {
-    "layout_sum": Case(("--config.layout.mlp=1,2,3,4,5,6,7,8",), r"config\.layout\.mlp: "),
-    "slowdown_count": Case(("--config.hetero.slowdown=(1,2)",), r"config\.hetero\.slowdown: "),
-    "keep_ratio": Case(("--config.resize.keep=(2,1,1,1,1,1,1,1)",), r"config\.resize\.keep: "),
-    "missing_data_file": Case(("--config.data.name=text_file", "--config.data.path=/no/such/file"),
-                              r"config\.data\.path: no such file: /no/such/file$"),
     "config_option": Case((), r"config\b.*unknown option 'gpu'", config="configs/gpt_tiny.py:gpu"),
     "config_file": Case((), r"config: no config file at 'configs/nope\.py'; configs/ has "
                         r"gpt_harmony\.py, gpt_tiny\.py, vit_digits\.py$",

@@ -83,7 +83,6 @@ def test_the_planner_chooses_the_mode_and_the_run_follows_it(tmp_path):
 @pytest.mark.parametrize("fields, field", [
     ({"pipeline.microbatches": "3,1"}, "config.pipeline.microbatches"),
     ({"planner.syncs": "sync,gossip"}, "config.planner.syncs"),
-    ({"sync.staleness_bound": -1}, "config.sync.staleness_bound"),
 ])
 def test_bad_replica_mode_config_is_named(tmp_path, fields, field):
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
