@@ -18,6 +18,8 @@ from semijax.core import layout as L
 from semijax.core import mesh as mesh_lib
 from semijax.models import gpt, vit
 from semijax.models import tasks
+from semijax.sync import settings as sync_settings
+from semijax.sync import timeline as timeline_lib
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import metrics
@@ -239,3 +241,16 @@ def check_every_microbatch_once(out, workdir, steps, replicas, batch_size, bound
   records = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   assert 1 <= max(r["sync/max_staleness"] for r in records) <= bound
   return owned
+
+
+def timeline_rounds(speeds, mode="ssaw", steps=6, microbatch=2, **kw) -> list:
+  """Every round `sync.timeline.Timeline` closes in a run of `steps` global batches whose
+  replica r takes speeds[r] seconds per microbatch (`kw`: more `SyncSettings` fields)."""
+  s = sync_settings.SyncSettings(mode=mode, **kw)
+  line = timeline_lib.Timeline(s, len(speeds), microbatch, steps * len(speeds))
+  line.start(speeds)
+  rounds = []
+  while (rnd := line.take()) is not None:
+    rounds.append(rnd)
+    line.start(speeds)
+  return rounds

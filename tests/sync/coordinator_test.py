@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings as hypothesis_settings, strategies as st
 
+from helpers import timeline_rounds
 from semijax.sync import real
 from semijax.sync import settings as settings_lib
 from semijax.sync import timeline as timeline_lib
@@ -164,17 +165,6 @@ def coordinate(durations, mode="ssaw", steps=4, known=True, **kw):
   return coordinator.rounds, job
 
 
-def timeline(durations, mode="ssaw", steps=4, **kw):
-  s = settings_lib.SyncSettings(mode=mode, **kw)
-  line = timeline_lib.Timeline(s, len(durations), MICROBATCH, steps * len(durations))
-  line.start(durations)
-  rounds = []
-  while (rnd := line.take()) is not None:
-    rounds.append(rnd)
-    line.start(durations)
-  return rounds
-
-
 def as_round(msg, previous_close):
   """A published round as `Timeline.Round` (members without a microbatch left out)."""
   keep = [k for k, j in enumerate(msg.microbatches) if j >= 0]
@@ -188,7 +178,7 @@ def assert_same_rounds(durations, mode="ssaw", steps=4, **kw):
   """The coordinator publishes Timeline's rounds, each with the weights and learning-rate
   factor the module docs define, then "done" (which every replica read)."""
   messages, job = coordinate(durations, mode, steps, **kw)
-  expected = timeline(durations, mode, steps, **kw)
+  expected = timeline_rounds(durations, mode, steps, MICROBATCH, **kw)
   *rounds, done = messages
   assert done.done and done.version == len(rounds)
   assert done.samples == steps * len(durations) * MICROBATCH

@@ -1,10 +1,10 @@
 """train_and_evaluate with config.sync on emulated replicas (one process, 8 fake devices).
 
 Equal replicas: ssaw and async take exactly sync's steps (bit-identical losses), also on an
-uneven tensor layout with a slow tensor device, and record the steps log_every says. Slow replicas: every sample of the budget is
-applied exactly once, the fast take more of it, no gradient is staler than the bound. A run
-resumed from a checkpoint (which holds the in-flight gradients, or local SGD's replicas)
-continues exactly.
+uneven tensor layout with a slow tensor device, and record the steps log_every says. Slow
+replicas: every sample of the budget is applied exactly once, the fast take more of it, no
+gradient is staler than the bound. A run resumed from a checkpoint (which holds the in-flight
+gradients, or local SGD's replicas) continues exactly.
 """
 
 import numpy as np

@@ -6,20 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings as hypothesis_settings, strategies as st
 
+from helpers import timeline_rounds
 from semijax.sync import settings as settings_lib
 from semijax.sync import timeline as timeline_lib
-
-
-def play(speeds, mode="ssaw", steps=6, **kw):
-  """Every round of a run whose replica r takes speeds[r] seconds per microbatch."""
-  s = settings_lib.SyncSettings(mode=mode, **kw)
-  line = timeline_lib.Timeline(s, len(speeds), 2, steps * len(speeds))
-  line.start(speeds)
-  rounds = []
-  while (rnd := line.take()) is not None:
-    rounds.append(rnd)
-    line.start(speeds)
-  return rounds
 
 
 def applied(rounds):
@@ -28,14 +17,14 @@ def applied(rounds):
 
 @pytest.mark.parametrize("mode", ["ssaw", "async", "sync"])
 def test_equal_speeds_make_synchronous_steps(mode):
-  rounds = play([1.0] * 4, mode)
+  rounds = timeline_rounds([1.0] * 4, mode)
   assert len(rounds) == 6
   assert all(r.is_step(4, 2) for r in rounds)
   assert [r.close_s for r in rounds] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 
 
 def test_a_slow_replica_is_applied_late_and_takes_less_data():
-  rounds = play([1.0, 1.0, 1.0, 2.0], steps=6)
+  rounds = timeline_rounds([1.0, 1.0, 1.0, 2.0], steps=6)
   assert applied(rounds) == list(range(24))                       # every microbatch once
   # The fast three close a round every second; the slow one joins every other round, 1 late.
   assert [r.members for r in rounds[:4]] == [(0, 1, 2), (0, 1, 2, 3)] * 2
@@ -47,7 +36,7 @@ def test_a_slow_replica_is_applied_late_and_takes_less_data():
 
 
 def test_the_staleness_bound_makes_the_fast_wait():
-  rounds = play([1.0, 1.0, 8.0], steps=8, staleness_bound=2)
+  rounds = timeline_rounds([1.0, 1.0, 8.0], steps=8, staleness_bound=2)
   assert max(s for r in rounds for s in r.staleness) <= 2
   # Without the bound the slow replica would arrive 7 updates late; with it, the third round
   # waits for it: it closes at 8 s, not 3 s.
@@ -56,21 +45,21 @@ def test_the_staleness_bound_makes_the_fast_wait():
 
 
 def test_sync_waits_for_the_slowest_every_round():
-  rounds = play([1.0, 3.0], mode="sync", steps=4)
+  rounds = timeline_rounds([1.0, 3.0], mode="sync", steps=4)
   assert [r.close_s for r in rounds] == [3.0, 6.0, 9.0, 12.0]
   assert all(r.members == (0, 1) for r in rounds)
 
 
 def test_grace_absorbs_small_differences_and_async_does_not():
-  ssaw = play([1.0, 1.1, 1.0], mode="ssaw", grace=0.25)
+  ssaw = timeline_rounds([1.0, 1.1, 1.0], mode="ssaw", grace=0.25)
   assert all(r.members == (0, 1, 2) and not any(r.staleness) for r in ssaw)
-  no_grace = play([1.0, 1.1, 1.0], mode="async")
+  no_grace = timeline_rounds([1.0, 1.1, 1.0], mode="async")
   assert any(r.members == (0, 2) for r in no_grace)
   assert applied(no_grace) == list(range(18))
 
 
 def test_the_end_of_the_stream_waits_for_everyone():
-  rounds = play([1.0, 1.0, 5.0], steps=3)
+  rounds = timeline_rounds([1.0, 1.0, 5.0], steps=3)
   last = rounds[-1]
   assert 2 in last.members
   assert applied(rounds) == list(range(9))
@@ -79,7 +68,7 @@ def test_the_end_of_the_stream_waits_for_everyone():
 def test_state_dict_continues_the_same_rounds():
   s = settings_lib.SyncSettings(mode="ssaw")
   speeds = [1.0, 2.5, 1.0, 4.0]
-  whole = play(speeds, steps=5)
+  whole = timeline_rounds(speeds, steps=5)
   line = timeline_lib.Timeline(s, 4, 2, 20)
   line.start(speeds)
   first = []
@@ -100,7 +89,7 @@ def test_state_dict_continues_the_same_rounds():
        bound=st.integers(0, 4), mode=st.sampled_from(["ssaw", "async"]),
        steps=st.integers(1, 6))
 def test_every_microbatch_once_within_the_bound(speeds, bound, mode, steps):
-  rounds = play(speeds, mode, steps=steps, staleness_bound=bound)
+  rounds = timeline_rounds(speeds, mode, steps=steps, staleness_bound=bound)
   assert applied(rounds) == list(range(steps * len(speeds)))
   assert max(s for r in rounds for s in r.staleness) <= bound
   closes = [r.close_s for r in rounds]
