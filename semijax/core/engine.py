@@ -30,6 +30,7 @@ from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import migrate
 from semijax.core import plan as plan_lib
+from semijax.core import precision as precision_lib
 from semijax.core import resize as resize_lib
 from semijax.core import sharding
 
@@ -78,6 +79,7 @@ class Engine:
     self.axes = sharding.axes_tree(abstract_state)
     self.logical_shapes = jax.tree.map(lambda v: v.shape, nnx.to_pure_dict(abstract_state))
     self.input_key = abstract.input_key
+    self.precision = getattr(abstract, "precision", precision_lib.Precision())
     self.unit_sizes = abstract.unit_sizes()
     self.num_units = self._num_units()
     blocks = [sharding.block_index(path) for path, _ in
@@ -110,13 +112,15 @@ class Engine:
     return out
 
   def unit_bytes(self) -> dict:
-    """{kind: bytes of one unit's weights over all layers} (float32)."""
+    """{kind: bytes of one unit's weights over all layers, in the compute dtype: what a block
+    reads, and what offloading a unit sends every step}."""
     out = {}
     for a, shape in zip(jax.tree.leaves(self.axes), jax.tree.leaves(
         self.logical_shapes, is_leaf=lambda x: isinstance(x, tuple))):
       if (unit := a.unit()) is not None:
         kind = unit[1]
-        out[kind] = out.get(kind, 0.0) + 4.0 * np.prod(shape) / self.num_units[kind]
+        out[kind] = out.get(kind, 0.0) + (self.precision.compute_bytes * np.prod(shape)
+                                          / self.num_units[kind])
     return out
 
   @property

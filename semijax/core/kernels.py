@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from typing import Callable, Iterator
 
 import jax
@@ -250,7 +249,7 @@ def mlp_partial(width, x, w1, b1, w2, active, cut: Cut | None = None):
 
 
 def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | None = None, *,
-                      head_dim, causal):
+                      head_dim, causal, implementation="xla"):
   """This device's partial attention output, computed at `width` heads.
 
   Args:
@@ -261,6 +260,8 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
     active: int32 scalar; heads >= active contribute zero.
     cut: what a resized device leaves out (`Cut`), or None for the exact block.
     head_dim: features per head. causal: mask future positions.
+    implementation: of `jax.nn.dot_product_attention`, "xla" or "cudnn" (the softmax is float32
+      in both).
 
   Returns:
     [batch, seq, d_model] partial sum (before the all-reduce, without the output bias).
@@ -268,13 +269,7 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
   heads = lambda w, b: _column(x, w, b, width, head_dim, cut).reshape(
       *x.shape[:-1], width, head_dim)
   q, k, v = heads(wq, bq), heads(wk, bk), heads(wv, bv)
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q / math.sqrt(head_dim), k)
-  if causal:
-    seq = x.shape[-2]
-    keep = jnp.tril(jnp.ones((seq, seq), bool))
-    logits = jnp.where(keep, logits, jnp.finfo(logits.dtype).min)
-  probs = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+  out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
   if cut is None:     # the row GEMM's input, kept by a branch (see `saved`)
     flat = saved(out.reshape(*out.shape[:-2], width * head_dim), wo.shape[0])
     out = flat.reshape(out.shape)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from semijax.core import precision as precision_lib
+
 # A LayerNorm's forward FLOPs per token and feature (mean, variance, normalize, scale, shift).
 LAYERNORM_FLOPS = 8
 
@@ -26,6 +28,8 @@ class ModelSpec:
     causal: whether attention masks future positions.
     items_per_example: what one example counts in throughput ("tokens": seq_len, "images": 1).
     unit: the throughput unit, "tokens" or "images".
+    precision: compute and storage dtypes and the attention kernel (not part of `fields`: a
+      checkpoint of one precision restores into another).
   """
 
   name: str
@@ -38,6 +42,7 @@ class ModelSpec:
   causal: bool
   items_per_example: int
   unit: str
+  precision: precision_lib.Precision = precision_lib.Precision()
 
   @property
   def head_dim(self) -> int:
@@ -48,7 +53,8 @@ class ModelSpec:
     return dict(self.fields)
 
   def to_dict(self) -> dict:
-    """The config fields (with the name), as a checkpoint records them."""
+    """The config fields (with the name), as a checkpoint records them (the precision is not
+    among them: it does not change what a checkpoint holds, only its dtypes)."""
     return {"name": self.name, **self.kwargs}
 
   def num_units(self) -> dict:

@@ -7,6 +7,9 @@ model is a module and one entry in `REGISTRY`.
 
 from __future__ import annotations
 
+import dataclasses
+
+from semijax.core import precision as precision_lib
 from semijax.core import spec as spec_lib
 from semijax.errors import ConfigError
 from semijax.models import gpt
@@ -21,13 +24,21 @@ def model_class(name: str):
   return REGISTRY[name]
 
 
-def spec(name: str, fields: dict) -> spec_lib.ModelSpec:
-  """The validated `ModelSpec` of model `name` with config `fields` (without the name)."""
-  return model_class(name).spec(**fields)
+# Config fields every model takes (`core.precision.Precision`), beside its own `FIELDS`.
+PRECISION_FIELDS = tuple(f.name for f in dataclasses.fields(precision_lib.Precision))
+
+
+def spec(name: str, fields: dict, backend: str | None = None) -> spec_lib.ModelSpec:
+  """The validated `ModelSpec` of model `name` with config `fields` (without the name); the
+  precision fields are optional (`PRECISION_FIELDS`), `backend` as in `Precision.validate`."""
+  own = {k: v for k, v in fields.items() if k not in PRECISION_FIELDS}
+  precision = precision_lib.Precision(**{k: v for k, v in fields.items()
+                                         if k in PRECISION_FIELDS}).validate(backend)
+  return dataclasses.replace(model_class(name).spec(**own), precision=precision)
 
 
 def build(spec: spec_lib.ModelSpec):
   """(model_fn(rngs) -> nnx.Module, loss_terms) for a spec."""
   cls = model_class(spec.name)
   kw = spec.kwargs
-  return (lambda rngs: cls(rngs=rngs, **kw)), cls.loss_terms
+  return (lambda rngs: cls(rngs=rngs, precision=spec.precision, **kw)), cls.loss_terms

@@ -17,6 +17,7 @@ class GPT(nnx.Module):
 
   Call: tokens int32 [batch, seq] (seq <= seq_len) -> logits float32 [batch, seq, vocab_size].
   Embeddings, LayerNorms and the head are replicated over `tensor`; batch is split over `data`.
+  The blocks compute in `precision.dtype`; the head's GEMM accumulates into float32 logits.
   """
 
   input_key = "inputs"
@@ -33,20 +34,25 @@ class GPT(nnx.Module):
                               causal=True, items_per_example=f["seq_len"], unit="tokens")
 
   def __init__(self, *, vocab_size: int = 256, seq_len: int, d_model: int, num_heads: int,
-               d_ff: int, num_layers: int, rngs: nnx.Rngs):
+               d_ff: int, num_layers: int, precision: layers.Precision = layers.Precision(),
+               rngs: nnx.Rngs):
     self.head_dim = d_model // num_heads
-    self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
-    self.pos = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (seq_len, d_model)),
-                         axes=(None, "embed"))
-    self.encoder = layers.Encoder(num_layers, d_model, num_heads, d_ff, causal=True, rngs=rngs)
-    self.head = nnx.Linear(d_model, vocab_size, use_bias=False, rngs=rngs)
+    self.precision = precision
+    self.embed = nnx.Embed(vocab_size, d_model, dtype=precision.compute,
+                           param_dtype=precision.storage, rngs=rngs)
+    self.pos = layers.param(nnx.initializers.normal(0.02), rngs, (seq_len, d_model),
+                            (None, "embed"), precision)
+    self.encoder = layers.Encoder(num_layers, d_model, num_heads, d_ff, causal=True,
+                                  precision=precision, rngs=rngs)
+    self.head = layers.head(d_model, vocab_size, False, precision, rngs)
 
   def __call__(self, tokens: jnp.ndarray, plan: plan_lib.Plan) -> jnp.ndarray:
     return self.head_out(self.encoder.run_blocks(self.stem(tokens), plan))
 
   def stem(self, tokens: jnp.ndarray) -> jnp.ndarray:
-    """int32 [batch, seq] -> [batch, seq, d_model]: what the first block sees."""
-    return self.embed(tokens) + self.pos[: tokens.shape[-1]]
+    """int32 [batch, seq] -> [batch, seq, d_model] (compute dtype): what the first block sees."""
+    pos = layers.read((self.pos,), self.precision)[0]
+    return self.embed(tokens) + pos[: tokens.shape[-1]]
 
   def head_out(self, x: jnp.ndarray) -> jnp.ndarray:
     """The last block's output [batch, seq, d_model] -> logits [batch, seq, vocab_size]."""

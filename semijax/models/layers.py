@@ -5,6 +5,10 @@ engine packs them into padded device-major arrays and runs `__call__` inside `ja
 where every parameter is the device's *local* block. So `__call__` reads widths from the arrays,
 never from the constructor arguments.
 
+Precision (`core.precision.Precision`): parameters are stored in `param_dtype` and cast to
+`dtype` where a block reads them, so activations, GEMMs and the tensor all-reduce of partial sums
+run in `dtype`; LayerNorm statistics are float32 (Flax computes them so).
+
 Logical axes (`axes=` metadata): "embed" (d_model), "mlp" (MLP hidden units, split over tensor),
 "heads" (head_dim * num_heads, split over tensor by head). Replicated parameters (LayerNorm,
 output biases) are computed redundantly on every tensor device, as in Megatron.
@@ -19,14 +23,35 @@ from flax import nnx
 
 from semijax.core import kernels
 from semijax.core import plan as plan_lib
+from semijax.core import precision as precision_lib
 from semijax.core import tp
 
+Precision = precision_lib.Precision
 kernel_init = nnx.initializers.lecun_normal()
 zeros = nnx.initializers.zeros_init()
 
 
-def _param(init, rngs, shape, axes):
-  return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
+def param(init, rngs, shape, axes, precision: Precision):
+  """A parameter drawn in float32 and stored in `precision.param_dtype` (so a model's values are
+  the same draw, rounded, in every storage precision)."""
+  return nnx.Param(init(rngs.params(), shape, jnp.float32).astype(precision.storage), axes=axes)
+
+
+def layer_norm(d_model: int, precision: Precision, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  return nnx.LayerNorm(d_model, dtype=precision.compute, param_dtype=precision.storage,
+                       rngs=rngs)
+
+
+def head(d_model: int, outputs: int, use_bias: bool, precision: Precision,
+         rngs: nnx.Rngs) -> nnx.Linear:
+  """The output layer: a GEMM in the compute dtype that accumulates into float32 logits."""
+  return nnx.Linear(d_model, outputs, use_bias=use_bias, dtype=precision.compute,
+                    param_dtype=precision.storage, preferred_element_type=jnp.float32, rngs=rngs)
+
+
+def read(variables, precision: Precision) -> list:
+  """The values of `variables`, cast to the compute dtype."""
+  return [precision_lib.cast(v[...], precision.compute) for v in variables]
 
 
 class MLP(nnx.Module):
@@ -35,17 +60,19 @@ class MLP(nnx.Module):
   Parameters (logical): w1 [d_model, d_ff], b1 [d_ff], w2 [d_ff, d_model], b2 [d_model].
   """
 
-  def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs):
-    self.w1 = _param(kernel_init, rngs, (d_model, d_ff), ("embed", "mlp"))
-    self.b1 = _param(zeros, rngs, (d_ff,), ("mlp",))
-    self.w2 = _param(kernel_init, rngs, (d_ff, d_model), ("mlp", "embed"))
-    self.b2 = _param(zeros, rngs, (d_model,), ("embed",))
+  def __init__(self, d_model: int, d_ff: int, *, precision: Precision = Precision(),
+               rngs: nnx.Rngs):
+    self.precision = precision
+    self.w1 = param(kernel_init, rngs, (d_model, d_ff), ("embed", "mlp"), precision)
+    self.b1 = param(zeros, rngs, (d_ff,), ("mlp",), precision)
+    self.w2 = param(kernel_init, rngs, (d_ff, d_model), ("mlp", "embed"), precision)
+    self.b2 = param(zeros, rngs, (d_model,), ("embed",), precision)
 
   def __call__(self, x, plan: plan_lib.Plan):
-    """x: [..., d_model] replicated over tensor -> [..., d_model] replicated."""
-    y = tp.row_parallel(plan, "mlp", kernels.mlp_partial, x, self.w1[...], self.b1[...],
-                        self.w2[...], units=kernels.MLP_UNITS)
-    return y + self.b2[...]
+    """x: [..., d_model] (compute dtype) replicated over tensor -> the same, replicated."""
+    w1, b1, w2, b2 = read((self.w1, self.b1, self.w2, self.b2), self.precision)
+    y = tp.row_parallel(plan, "mlp", kernels.mlp_partial, x, w1, b1, w2, units=kernels.MLP_UNITS)
+    return y + b2
 
 
 class Attention(nnx.Module):
@@ -55,32 +82,38 @@ class Attention(nnx.Module):
   wo [num_heads*head_dim, d_model], bo [d_model].
   """
 
-  def __init__(self, d_model: int, num_heads: int, *, causal: bool, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, num_heads: int, *, causal: bool, precision: Precision,
+               rngs: nnx.Rngs):
     self.head_dim = d_model // num_heads
     self.causal = causal
+    self.precision = precision
     inner = num_heads * self.head_dim
     for name in ("q", "k", "v"):
-      setattr(self, f"w{name}", _param(kernel_init, rngs, (d_model, inner), ("embed", "heads")))
-      setattr(self, f"b{name}", _param(zeros, rngs, (inner,), ("heads",)))
-    self.wo = _param(kernel_init, rngs, (inner, d_model), ("heads", "embed"))
-    self.bo = _param(zeros, rngs, (d_model,), ("embed",))
+      setattr(self, f"w{name}", param(kernel_init, rngs, (d_model, inner), ("embed", "heads"),
+                                      precision))
+      setattr(self, f"b{name}", param(zeros, rngs, (inner,), ("heads",), precision))
+    self.wo = param(kernel_init, rngs, (inner, d_model), ("heads", "embed"), precision)
+    self.bo = param(zeros, rngs, (d_model,), ("embed",), precision)
 
   def __call__(self, x, plan: plan_lib.Plan):
-    """x: [batch, seq, d_model] replicated over tensor -> same shape, replicated."""
-    fn = functools.partial(kernels.attention_partial, head_dim=self.head_dim, causal=self.causal)
-    weights = [v[...] for v in (self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo)]
+    """x: [batch, seq, d_model] (compute dtype) replicated over tensor -> same, replicated."""
+    fn = functools.partial(kernels.attention_partial, head_dim=self.head_dim, causal=self.causal,
+                           implementation=self.precision.attention_impl(self.head_dim))
+    *weights, bo = read((self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo,
+                         self.bo), self.precision)
     units = kernels.attention_units(self.head_dim)
-    return tp.row_parallel(plan, "heads", fn, x, *weights, units=units) + self.bo[...]
+    return tp.row_parallel(plan, "heads", fn, x, *weights, units=units) + bo
 
 
 class Block(nnx.Module):
   """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-  def __init__(self, d_model: int, num_heads: int, d_ff: int, *, causal: bool, rngs: nnx.Rngs):
-    self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
-    self.attn = Attention(d_model, num_heads, causal=causal, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
-    self.mlp = MLP(d_model, d_ff, rngs=rngs)
+  def __init__(self, d_model: int, num_heads: int, d_ff: int, *, causal: bool,
+               precision: Precision = Precision(), rngs: nnx.Rngs):
+    self.ln1 = layer_norm(d_model, precision, rngs)
+    self.attn = Attention(d_model, num_heads, causal=causal, precision=precision, rngs=rngs)
+    self.ln2 = layer_norm(d_model, precision, rngs)
+    self.mlp = MLP(d_model, d_ff, precision=precision, rngs=rngs)
 
   def __call__(self, x, plan: plan_lib.Plan):
     x = x + self.attn(self.ln1(x), plan)
@@ -91,10 +124,10 @@ class Encoder(nnx.Module):
   """A stack of blocks followed by a final LayerNorm."""
 
   def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int, *, causal: bool,
-               rngs: nnx.Rngs):
-    self.blocks = nnx.List([Block(d_model, num_heads, d_ff, causal=causal, rngs=rngs)
-                            for _ in range(num_layers)])
-    self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
+               precision: Precision = Precision(), rngs: nnx.Rngs):
+    self.blocks = nnx.List([Block(d_model, num_heads, d_ff, causal=causal, precision=precision,
+                                  rngs=rngs) for _ in range(num_layers)])
+    self.ln_f = layer_norm(d_model, precision, rngs)
 
   def __call__(self, x, plan: plan_lib.Plan):
     """x: [batch, seq, d_model] replicated over tensor; block i gets `plan.layer(i)`."""

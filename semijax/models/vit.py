@@ -23,7 +23,8 @@ def patchify(images: jnp.ndarray, patch: int) -> jnp.ndarray:
 class ViT(nnx.Module):
   """Patch embedding, class token, learned positions, bidirectional blocks, linear classifier.
 
-  Call: images float32 [batch, H, W, C] -> logits float32 [batch, num_classes].
+  Call: images float32 [batch, H, W, C] -> logits float32 [batch, num_classes]; the blocks
+  compute in `precision.dtype`.
   """
 
   input_key = "images"
@@ -45,19 +46,23 @@ class ViT(nnx.Module):
                               causal=False, items_per_example=1, unit="images")
 
   def __init__(self, *, image_size: int, patch_size: int, channels: int, num_classes: int,
-               d_model: int, num_heads: int, d_ff: int, num_layers: int, rngs: nnx.Rngs):
+               d_model: int, num_heads: int, d_ff: int, num_layers: int,
+               precision: layers.Precision = layers.Precision(), rngs: nnx.Rngs):
     if image_size % patch_size:
       raise ConfigError(f"config.model.patch_size: {patch_size} does not divide "
                         f"config.model.image_size {image_size}")
     self.head_dim = d_model // num_heads
     self.patch_size = patch_size
     num_patches = (image_size // patch_size) ** 2
-    self.patch = nnx.Linear(patch_size * patch_size * channels, d_model, rngs=rngs)
-    self.cls = nnx.Param(jnp.zeros((1, 1, d_model)), axes=(None, None, "embed"))
-    self.pos = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (num_patches + 1, d_model)),
-                         axes=(None, "embed"))
-    self.encoder = layers.Encoder(num_layers, d_model, num_heads, d_ff, causal=False, rngs=rngs)
-    self.head = nnx.Linear(d_model, num_classes, rngs=rngs)
+    self.precision = precision
+    self.patch = nnx.Linear(patch_size * patch_size * channels, d_model, dtype=precision.compute,
+                            param_dtype=precision.storage, rngs=rngs)
+    self.cls = nnx.Param(jnp.zeros((1, 1, d_model), precision.storage), axes=(None, None, "embed"))
+    self.pos = layers.param(nnx.initializers.normal(0.02), rngs, (num_patches + 1, d_model),
+                            (None, "embed"), precision)
+    self.encoder = layers.Encoder(num_layers, d_model, num_heads, d_ff, causal=False,
+                                  precision=precision, rngs=rngs)
+    self.head = layers.head(d_model, num_classes, True, precision, rngs)
 
   def __call__(self, images: jnp.ndarray, plan: plan_lib.Plan) -> jnp.ndarray:
     return self.head_out(self.encoder.run_blocks(self.stem(images), plan))
@@ -65,8 +70,9 @@ class ViT(nnx.Module):
   def stem(self, images: jnp.ndarray) -> jnp.ndarray:
     """[batch, H, W, C] -> [batch, patches + 1, d_model]: what the first block sees."""
     x = self.patch(patchify(images, self.patch_size))
-    cls = jnp.broadcast_to(self.cls[...], (x.shape[0], 1, x.shape[-1]))
-    return jnp.concatenate([cls, x], axis=1) + self.pos[...]
+    cls, pos = layers.read((self.cls, self.pos), self.precision)
+    cls = jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1]))
+    return jnp.concatenate([cls, x], axis=1) + pos
 
   def head_out(self, x: jnp.ndarray) -> jnp.ndarray:
     """The last block's output [batch, patches + 1, d_model] -> logits [batch, num_classes]."""

@@ -20,6 +20,7 @@ import math
 import numbers
 import os
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -181,8 +182,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.grad_clip = 1.0      # Global gradient-norm clip; 0 = none.
   c.optimizer.schedule_steps = 0   # Steps of the learning-rate schedule; 0 = steps (longer runs
                                    # go on at the final rate).
+  c.optimizer.mu_dtype = ""        # Adam's first moment: "" = the parameters' dtype, or bfloat16.
 
-  c.model = ml_collections.ConfigDict()   # name + the fields of models.REGISTRY[name].FIELDS
+  # name + the fields of models.REGISTRY[name].FIELDS, and the precision (core.precision):
+  c.model = ml_collections.ConfigDict()
+  c.model.dtype = "float32"        # Compute: activations, GEMMs, the tensor all-reduce.
+  c.model.param_dtype = "float32"  # Storage: the master weights the optimizer updates.
+  c.model.attention = "auto"       # xla | cudnn | auto (cuDNN on a CUDA GPU in bf16/fp16).
   c.data = ml_collections.ConfigDict()
   c.data.name = ""                 # gpt: "pydoc" | "stdlib" | "text_file"; vit: "digits" | "npy".
   c.data.path = ""                 # text_file: a UTF-8 or binary file of training text.
@@ -384,9 +390,10 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   name = model_cfg.get("name")
   model_cls = models.model_class(name)
   schema = base_config().to_dict()
-  schema["model"] = {k: None for k in ("name",) + model_cls.FIELDS}
+  schema["model"] = {k: None for k in ("name",) + model_cls.FIELDS + models.PRECISION_FIELDS}
   _check_keys(config, schema, "config")
-  spec = models.spec(name, {k: v for k, v in model_cfg.items() if k != "name"})
+  spec = models.spec(name, {k: v for k, v in model_cfg.items() if k != "name"},
+                     backend=None if num_devices is None else jax.default_backend())
   for field in ("steps", "batch_size", "eval_every", "log_every", "keep_checkpoints"):
     _int(config[field], field)
   _int(config.seed, "seed", 0)
@@ -415,9 +422,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
                             config.hetero.rotate_every).validate(mesh.tensor)
   resize = _resize(config.resize, mesh.tensor)
   balance = _balance(config, hetero, resize)
-  o = config.optimizer
-  optimizer = optimizer_lib.OptimizerSpec(o.learning_rate, o.warmup_steps, o.weight_decay, o.b1,
-                                          o.b2, o.grad_clip, o.schedule_steps).validate()
+  optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer)
   data = data_lib.DataSpec.from_config(config)
   sync = _sync(config, mesh, balance, resize, num_devices, process_count)
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
@@ -511,9 +516,7 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
   pipeline = PipelineSpec(schedule, micro, layers, capacity, units["mlp"], units["heads"],
                           _int(config.layout.num_widths, "layout.num_widths"), plan, sizes,
                           schedules, devices, float(memory), syncs)
-  o = config.optimizer
-  optimizer = optimizer_lib.OptimizerSpec(o.learning_rate, o.warmup_steps, o.weight_decay, o.b1,
-                                          o.b2, o.grad_clip, o.schedule_steps).validate()
+  optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer)
   layout = layout_lib.Layout.for_model(d_model=spec.d_model, num_heads=spec.num_heads,
                                        d_ff=spec.d_ff, num_devices=1)
   hetero = emulation.Hetero(None, float(g), 0)

@@ -9,6 +9,7 @@ import jax
 import optax
 
 from semijax.core import pipeline
+from semijax.core import precision
 from semijax.errors import ConfigError
 
 
@@ -25,6 +26,7 @@ class OptimizerSpec:
     schedule_steps: steps of the warmup-and-decay schedule; 0 = the run's steps. A run longer
       than its schedule trains on at the final rate (a study that trains past a sample budget
       to see when a loss is reached, with the schedule of the budget).
+    mu_dtype: dtype of Adam's first moment; "" = the parameters' (`config.model.param_dtype`).
   """
 
   learning_rate: float = 3e-3
@@ -34,6 +36,13 @@ class OptimizerSpec:
   b2: float = 0.95
   grad_clip: float = 1.0
   schedule_steps: int = 0
+  mu_dtype: str = ""
+
+  @classmethod
+  def from_config(cls, o) -> "OptimizerSpec":
+    """The validated spec of `config.optimizer`."""
+    return cls(o.learning_rate, o.warmup_steps, o.weight_decay, o.b1, o.b2, o.grad_clip,
+               o.schedule_steps, o.mu_dtype).validate()
 
   def validate(self) -> "OptimizerSpec":
     f = "config.optimizer"
@@ -53,6 +62,9 @@ class OptimizerSpec:
       v = getattr(self, name)
       if not (number(v) and 0 <= v < 1):
         raise ConfigError(f"{f}.{name}: must be in [0, 1), got {v!r}")
+    if self.mu_dtype not in ("",) + precision.DTYPES:
+      raise ConfigError(f"{f}.mu_dtype: {self.mu_dtype!r} is not '' (the parameters' dtype) or "
+                        f"one of {precision.DTYPES}")
     return self
 
 
@@ -81,7 +93,7 @@ def make(spec: OptimizerSpec, steps: int) -> optax.GradientTransformation:
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, x: x.ndim - _stacked(path) >= 2, params)
   tx = optax.adamw(learning_rate_schedule(spec, steps), b1=spec.b1, b2=spec.b2,
-                   weight_decay=spec.weight_decay, mask=decay_mask)
+                   weight_decay=spec.weight_decay, mask=decay_mask, mu_dtype=spec.mu_dtype or None)
   if spec.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(spec.grad_clip), tx)
   return tx
