@@ -33,8 +33,12 @@ MODELS = {
 }
 
 
-def make_engine(name, data=1, tensor=8, tx=None, **kw):
+def make_engine(name, data=1, tensor=8, tx=None, precision=None, **kw):
+  """An engine of the tiny `name` model on a (data, tensor) mesh; `precision` a
+  `core.precision.Precision` (default float32)."""
   model_cls, _, model_kw, task = MODELS[name]
+  if precision is not None:
+    model_kw = dict(model_kw, precision=precision)
   mesh = mesh_lib.make_mesh(data, tensor)
   tx = tx or optax.adamw(1e-2, weight_decay=0.1)
   return engine_lib.Engine(lambda rngs: model_cls(rngs=rngs, **model_kw), task, mesh, tx, **kw)

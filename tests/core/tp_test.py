@@ -72,6 +72,66 @@ def test_attention_partial_heads_independent():
   np.testing.assert_allclose(three, four, atol=1e-5, rtol=1e-5)
 
 
+def einsum_attention(x, wq, bq, wk, bk, wv, bv, wo, heads, hd, causal):
+  """The attention of the first `heads` heads, written out: einsums, a `tril` mask and a float32
+  softmax (what the kernel computed before it called `jax.nn.dot_product_attention`)."""
+  split = lambda w, b: (x @ w[:, :heads * hd] + b[:heads * hd]).reshape(
+      *x.shape[:-1], heads, hd)
+  q, k, v = split(wq, bq), split(wk, bk), split(wv, bv)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q / np.sqrt(hd), k).astype(jnp.float32)
+  if causal:
+    seq = x.shape[-2]
+    logits = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1).astype(x.dtype)
+  out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(*x.shape[:-1], heads * hd)
+  return out @ wo[:heads * hd]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("width,active", [(4, 4), (4, 3), (6, 1)])
+def test_attention_partial_equals_einsum_attention_forward_and_gradients(causal, width, active):
+  d, hd, c = 16, 4, 6
+  ks = jax.random.split(jax.random.key(7), 10)
+  x = jax.random.normal(ks[0], (2, 7, d))
+  ws = [jax.random.normal(k, s) / np.sqrt(s[0]) for k, s in zip(
+      ks[1:], [(d, c * hd), (c * hd,), (d, c * hd), (c * hd,), (d, c * hd), (c * hd,),
+               (c * hd, d)])]
+  cot = jax.random.normal(ks[8], x.shape)
+  fn = functools.partial(kernels.attention_partial, width, head_dim=hd, causal=causal,
+                         implementation="xla")
+  got = lambda x, *ws: jnp.sum(fn(x, *ws, jnp.int32(active)) * cot)
+  want = lambda x, *ws: jnp.sum(einsum_attention(x, *ws, active, hd, causal) * cot)
+  args = (x, *ws)
+  np.testing.assert_allclose(fn(x, *ws, jnp.int32(active)),
+                             einsum_attention(x, *ws, active, hd, causal), atol=1e-5, rtol=1e-5)
+  g_got = jax.grad(got, argnums=tuple(range(8)))(*args)
+  g_want = jax.grad(want, argnums=tuple(range(8)))(*args)
+  for a, b in zip(g_got, g_want):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+  # The heads past `active` get no gradient.
+  assert np.all(np.asarray(g_got[1])[:, active * hd:] == 0)
+
+
+def test_attention_partial_in_bfloat16_matches_einsum_attention_of_the_rounded_inputs():
+  # In bfloat16 (a float32 softmax inside), within bfloat16 steps of the written-out attention
+  # of the same rounded inputs, and near the float32 result.
+  d, hd, c = 16, 8, 2
+  ks = jax.random.split(jax.random.key(9), 9)
+  x = jax.random.normal(ks[0], (1, 64, d))
+  ws = [jax.random.normal(k, s) / np.sqrt(s[0]) for k, s in zip(
+      ks[1:], [(d, c * hd), (c * hd,), (d, c * hd), (c * hd,), (d, c * hd), (c * hd,),
+               (c * hd, d)])]
+  bf = lambda a: a.astype(jnp.bfloat16)
+  out = kernels.attention_partial(c, bf(x), *map(bf, ws), jnp.int32(c), head_dim=hd,
+                                  causal=True)
+  assert out.dtype == jnp.bfloat16
+  exact = einsum_attention(x, *ws, c, hd, True)
+  rounded = einsum_attention(bf(x), *map(bf, ws), c, hd, True)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(rounded, np.float32),
+                             atol=0.03, rtol=0.03)
+  assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - exact))) < 0.1
+
+
 def test_row_parallel_with_offload_needs_unit_axes():
   # The offload path gathers the offloaded units of every weight, so it needs their unit axes.
   x = jnp.ones((3, 8))

@@ -41,6 +41,15 @@ def refused(config, workdir, match):
      r"^config.batch_size: 7 is not divisible by mesh.data \* processes = 2 \* 1"),
     (lambda c: c.data.update(name="text_file", path="/no/such/corpus.txt"),
      r"^config.data.path: no such file"),
+    (lambda c: c.model.__setattr__("dtype", "bf16"),
+     r"^config.model.dtype: 'bf16' is not one of \('float32', 'bfloat16', 'float16'\)"),
+    (lambda c: c.model.__setattr__("param_dtype", "int8"), r"^config.model.param_dtype: 'int8'"),
+    (lambda c: c.model.__setattr__("attention", "flash"), r"^config.model.attention: 'flash'"),
+    (lambda c: c.model.update(dtype="bfloat16", attention="cudnn"),
+     r"^config.model.attention: 'cudnn' needs a CUDA GPU, but the backend is 'cpu'"),
+    (lambda c: c.model.__setattr__("attention", "cudnn"),
+     r"^config.model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got 'float32'"),
+    (lambda c: c.optimizer.__setattr__("mu_dtype", "half"), r"^config.optimizer.mu_dtype: 'half'"),
 ])
 def test_bad_config_is_refused_before_compiling(tmp_path, edit, match):
   config = tiny_gpt()
