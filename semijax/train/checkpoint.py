@@ -19,6 +19,19 @@ import orbax.checkpoint as ocp
 from semijax.core import engine as engine_lib
 
 
+def param_dtypes(params) -> list[str]:
+  """The dtypes a parameter tree is stored in, sorted (what a checkpoint's meta records)."""
+  return sorted({str(x.dtype) for x in jax.tree.leaves(params)})
+
+
+def dtype_change(meta: dict, abstract: engine_lib.TrainState) -> str:
+  """"" when `abstract`'s parameters have the dtypes the checkpoint stored (or it did not record
+  them), else a clause for the resume line: restoring casts every value to the new dtype."""
+  saved, now = meta.get("param_dtypes"), param_dtypes(abstract.params)
+  return "" if saved in (None, now) else f"; parameters stored in {'/'.join(saved)}, " \
+      f"restored into {'/'.join(now)}"
+
+
 class Checkpointer:
   """Saves and restores logical train states under `directory` (one sub-folder per step)."""
 
@@ -46,7 +59,8 @@ class Checkpointer:
     """
     items = dict(state=ocp.args.StandardSave(logical),
                  meta=ocp.args.JsonSave(dict(meta, step=step, has_extra=extra is not None,
-                                             has_snapshot=snapshot is not None)))
+                                             has_snapshot=snapshot is not None,
+                                             param_dtypes=param_dtypes(logical.params))))
     if extra is not None:
       items["extra"] = ocp.args.StandardSave(extra)
     if snapshot is not None:
@@ -68,7 +82,8 @@ class Checkpointer:
 
     The unit axes of the logical form carry zeros after the last unit up to a multiple of the
     tensor devices; restoring onto another device count pads or cuts those zeros (`strict=False`:
-    the model itself was checked against the meta before).
+    the model itself was checked against the meta before). Values saved in another dtype
+    (a run that changed `model.param_dtype` or `optimizer.mu_dtype`) are cast to `abstract`'s.
     """
     step = self.latest_step() if step is None else step
     restored = self._manager.restore(step, args=ocp.args.Composite(

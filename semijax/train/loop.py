@@ -103,7 +103,8 @@ def _restore_or_init(engine, ckpt, run: config_lib.RunConfig, layout):
   abstract = engine.abstract_logical()
   logical, meta = ckpt.restore(abstract, step)
   say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with MLP units "
-      f"{_counts(meta['layout'], 'mlp')}), continuing to step {run.steps}")
+      f"{_counts(meta['layout'], 'mlp')}{checkpoint_lib.dtype_change(meta, abstract)}), "
+      f"continuing to step {run.steps}")
   snapshot = ckpt.restore_snapshot(abstract.params, step)
   extra = {"balance": ckpt.restore_extra(step), "snapshot": None if snapshot is None else
            engine.to_padded(snapshot, layout, donate=True)}

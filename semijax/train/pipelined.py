@@ -257,9 +257,11 @@ def _restore_or_init(setup: Setup, ckpt, run: config_lib.RunConfig):
         f"config.sync.mode: the checkpoint at step {step} in {ckpt.directory} was saved by a "
         f"{saved_sync!r} run, this one is {run.sync.mode!r} (its in-flight state would be lost); "
         "use another --workdir")
-  logical, meta = ckpt.restore(engine.abstract_logical(), step)
+  abstract = engine.abstract_logical()
+  logical, meta = ckpt.restore(abstract, step)
   say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with layers per stage "
-      f"{meta['plan']['stage_layers']}), continuing to step {run.steps}")
+      f"{meta['plan']['stage_layers']}{checkpoint_lib.dtype_change(meta, abstract)}), "
+      f"continuing to step {run.steps}")
   return engine.to_padded(logical, layout, donate=True), int(meta["data_position"])
 
 

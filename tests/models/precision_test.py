@@ -18,6 +18,7 @@ import helpers as H
 from semijax.core import engine as engine_lib
 from semijax.core import precision as precision_lib
 from semijax.train import checkpoint as checkpoint_lib
+from semijax.train import loop as train
 
 BF16 = precision_lib.Precision("bfloat16")
 BF16_STORED = precision_lib.Precision("bfloat16", "bfloat16")
@@ -114,3 +115,17 @@ def test_auto_attention_is_xla_on_cpu_and_the_choice_is_what_runs():
   assert BF16.attention_impl(64) == "xla"
   assert precision_lib.Precision("bfloat16", attention="cudnn").attention_impl(64) == "cudnn"
   assert precision_lib.Precision(attention="xla").attention_impl(4) == "xla"
+
+
+def test_a_float32_run_resumes_in_bfloat16_storage(tmp_path, capsys):
+  config = H.tiny_gpt(steps=3)
+  train.train_and_evaluate(config, str(tmp_path))
+  config = H.tiny_gpt(steps=6)
+  config.model.update(dtype="bfloat16", param_dtype="bfloat16")
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  out = capsys.readouterr().out
+  assert "parameters stored in float32, restored into bfloat16" in out
+  assert summary["start_step"] == 3 and np.isfinite(summary["val/loss"])
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "checkpoints"))
+  assert ckpt.latest_step() == 6 and ckpt.read_meta()["param_dtypes"] == ["bfloat16"]
+  ckpt.close()
