@@ -8,7 +8,7 @@ unit, "heads": an attention head):
 
 is the forward milliseconds of one unit of one layer for a microbatch of `tokens` tokens at
 speed 1 (`ModelSpec.flops_per_unit`: the unit's GEMMs and, for heads, the products over the
-sequence). Parameter counts follow `semijax.models` (float32, 4 bytes each):
+sequence). Parameter counts follow `semijax.models`:
 
   unit_params   mlp: a column of w1, its bias, a row of w2 (2 d + 1);
                 heads: head_dim columns of wq, wk, wv, their biases, head_dim rows of wo
@@ -28,17 +28,67 @@ every device of the first stage runs the embedding whole for each microbatch, ev
 the last the head (`ModelSpec.edge_flops`: first_flops, last_flops per token), so those stages
 also take `edge_s` (forward; the backward recomputes it and does twice its work, as for a
 layer: `core.schedule.stage_seconds`). For a large vocabulary the head is worth several layers.
+
+Bytes follow the model's precision (`core.precision.Precision`) and Adam's first-moment dtype
+(`StateBytes`): activations (a stage boundary's transfer, the tensor all-reduce of partial sums,
+a stage's stash) in the compute dtype; parameters, their gradients (all-reduced over data and
+pipe) and Adam's second moment in the storage dtype; the first moment in `optimizer.mu_dtype`
+when set. All float32 (4 bytes each) by default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
+from semijax.core import precision as precision_lib
 from semijax.core import spec as spec_lib
 
-BYTES = 4        # float32 parameters, gradients, moments and activations
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+  """Bytes of one value of each kind a training step stores or sends.
+
+  Attributes:
+    compute: a value in the compute dtype: an activation (what a stage boundary and a tensor
+      all-reduce carry per element, what a stage stashes) and a weight as a block reads it
+      (what offloading a unit sends).
+    param: a stored parameter (param_dtype).
+    grad: a parameter's gradient (param_dtype: weights are cast where a block reads them, so
+      their gradients arrive in the storage dtype): what the data-parallel all-reduce carries.
+    mu, nu: Adam's first moment (optimizer.mu_dtype, or param_dtype) and second (param_dtype).
+  """
+
+  compute: int = 4
+  param: int = 4
+  grad: int = 4
+  mu: int = 4
+  nu: int = 4
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"StateBytes.{f.name}: must be an integer >= 1, got {v!r}")
+
+  @classmethod
+  def of(cls, precision: precision_lib.Precision = precision_lib.Precision(),
+         mu_dtype: str = "") -> "StateBytes":
+    """The bytes of a model in `precision` trained with Adam's first moment in `mu_dtype`
+    ("": the parameters' dtype, as `train.optimizer.OptimizerSpec.mu_dtype`)."""
+    if mu_dtype not in ("",) + precision_lib.DTYPES:
+      raise ValueError(f"mu_dtype: {mu_dtype!r} is not '' or one of {precision_lib.DTYPES}")
+    param = precision.param_bytes
+    mu = jnp.dtype(mu_dtype).itemsize if mu_dtype else param
+    return cls(compute=precision.compute_bytes, param=param, grad=param, mu=mu, nu=param)
+
+  @property
+  def state(self) -> int:
+    """Bytes per parameter a device holds between steps (the parameter and both moments): what
+    the planner's memory check counts and what a migration moves with a unit."""
+    return self.param + self.mu + self.nu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +104,7 @@ class ModelCosts:
     device_gflops: GFLOP/s of a device at speed 1.
     first_flops, last_flops: forward FLOPs per token of the embedding and of the final norm,
       head and loss (0: not charged).
+    nbytes: bytes per activation, parameter, gradient and moment (default float32).
   """
 
   num_layers: int
@@ -68,6 +119,7 @@ class ModelCosts:
   device_gflops: float
   first_flops: float = 0.0
   last_flops: float = 0.0
+  nbytes: StateBytes = StateBytes()
 
   def __post_init__(self):
     if not self.device_gflops > 0:
@@ -77,8 +129,10 @@ class ModelCosts:
         raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
   @classmethod
-  def from_spec(cls, spec: spec_lib.ModelSpec, device_gflops: float) -> "ModelCosts":
-    """The costs of a `semijax.models` model ("gpt" or "vit")."""
+  def from_spec(cls, spec: spec_lib.ModelSpec, device_gflops: float,
+                mu_dtype: str = "") -> "ModelCosts":
+    """The costs of a `semijax.models` model ("gpt" or "vit"), in its precision, trained with
+    Adam's first moment in `mu_dtype` ("": the parameters' dtype)."""
     d, hd, f = spec.d_model, spec.head_dim, spec.kwargs
     if spec.name == "gpt":
       first = (f["vocab_size"] + spec.seq_len) * d
@@ -96,7 +150,7 @@ class ModelCosts:
                unit_params={"mlp": 2 * d + 1, "heads": 4 * d * hd + 3 * hd},
                layer_params=6 * d, first_params=first, last_params=last,
                device_gflops=float(device_gflops), first_flops=edge["first"],
-               last_flops=edge["last"])
+               last_flops=edge["last"], nbytes=StateBytes.of(spec.precision, mu_dtype))
 
   @property
   def kinds(self) -> tuple[str, ...]:
@@ -121,9 +175,10 @@ class ModelCosts:
     return out
 
   def activation_bytes(self, tokens: int) -> float:
-    """Bytes of one microbatch's activations at a layer boundary: tokens x d_model float32 (what
-    a tensor all-reduce and a stage boundary carry, and what a stage stashes per microbatch)."""
-    return float(tokens * self.d_model * BYTES)
+    """Bytes of one microbatch's activations at a layer boundary: tokens x d_model in the
+    compute dtype (what a tensor all-reduce and a stage boundary carry, and what a stage stashes
+    per microbatch)."""
+    return float(tokens * self.d_model * self.nbytes.compute)
 
   def max_tensor(self) -> int:
     """The largest tensor group: every device needs at least one unit of every kind."""

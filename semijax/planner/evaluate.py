@@ -23,8 +23,6 @@ from semijax.planner import costs as costs_lib
 from semijax.planner import split as split_lib
 from semijax.sync import predict as sync_predict
 
-# A device holds its parameters and Adam's two moments: 3 x the parameter bytes.
-STATE_COPIES = 3
 # Splits of up to this many microbatches per pipeline are priced from a table of every count
 # (vectorized over partitions); longer ones one partition at a time (`best_split`).
 TABLE_LIMIT = 32
@@ -96,7 +94,10 @@ class GridCosts:
     pipe_allreduce_s: the slowest all-reduce of their gradients over a pipeline's stages.
     ring_latency_s, ring_bandwidth: float [S, N] the data-parallel ring's slowest link.
     memory: float [R, S, N] each position's device memory.
-    act_bytes: bytes of one microbatch's activations.
+    act_bytes: bytes of one microbatch's activations (compute dtype).
+    grad_bytes: bytes of one parameter's gradient (what the gradient all-reduces carry).
+    state_bytes: bytes a device holds per parameter (the parameter and Adam's two moments,
+      `costs.StateBytes.state`).
     type_first, type_of: pipelines with equal costs and memory are one type: int [types] the
       first pipeline of each type, int [R] each pipeline's type.
   """
@@ -114,6 +115,8 @@ class GridCosts:
   ring_bandwidth: np.ndarray
   memory: np.ndarray
   act_bytes: float
+  grad_bytes: float
+  state_bytes: float
   type_first: np.ndarray
   type_of: np.ndarray
 
@@ -138,7 +141,7 @@ class GridCosts:
     shared = costs.first_params + costs.last_params
     pipe_lat, pipe_bw = _pair_link(cluster, np.moveaxis(grid, 1, -1))     # [R, N]
     pipe_ar = float(np.max(np.zeros(pipe_lat.shape) + schedule_lib.allreduce_s(
-        costs_lib.BYTES * shared, s_, pipe_lat, pipe_bw)))
+        costs.nbytes.grad * shared, s_, pipe_lat, pipe_bw)))
     compute = (work[None] / speeds).max(axis=-1)                           # [R, S]
     edge = costs.edge_s(tokens, s_)[None, :] / speeds.min(axis=-1)         # [R, S]
     act = costs.activation_bytes(tokens)
@@ -154,7 +157,8 @@ class GridCosts:
     sig = np.concatenate([compute, edge, ar, send, memory.reshape(r_, -1)], axis=1)
     _, first, inverse = np.unique(sig, axis=0, return_index=True, return_inverse=True)
     return cls(grid, tuple(units), compute, edge, ar, send, float(layer_params), float(shared),
-               pipe_ar, ring_lat, ring_bw, memory, act, first, inverse.reshape(-1))
+               pipe_ar, ring_lat, ring_bw, memory, act, float(costs.nbytes.grad),
+               float(costs.nbytes.state), first, inverse.reshape(-1))
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -173,7 +177,7 @@ class GridCosts:
     """float [...]: the gradient all-reduces after the last tick: the replicated parameters'
     over the stages, then the slowest position's over the pipelines."""
     r_ = self.grid.shape[0]
-    nbytes = costs_lib.BYTES * params
+    nbytes = self.grad_bytes * params
     t = np.zeros(nbytes.shape) + schedule_lib.allreduce_s(nbytes, r_, self.ring_latency_s,
                                                           self.ring_bandwidth)
     return t.max(axis=(-1, -2)) + self.pipe_allreduce_s
@@ -182,7 +186,7 @@ class GridCosts:
     """bool [..., R] (or [...] for one `pipeline`): whether every device of each pipeline holds
     its state and stash, for positions holding `params` [..., S, N] and stashes `in_flight`
     [S]."""
-    need = (STATE_COPIES * costs_lib.BYTES * params
+    need = (self.state_bytes * params
             + ((np.asarray(in_flight) + STASH_BUFFERS) * self.act_bytes)[:, None])   # [..., S, N]
     if pipeline is not None:
       return np.all(need <= self.memory[pipeline], axis=(-1, -2))

@@ -5,7 +5,7 @@ unit_ms and parameter counts, `cluster` for speeds v, memory and links):
 
   stage compute   the forward of one layer on the tensor group of pipeline d, stage p:
                   c = max over positions t of sum_k unit_ms[k] x units[p][k][t] / v(d, p, t).
-  tensor all-red. a = allreduce_s(tokens x d_model x 4 bytes, N, the group's slowest link), two
+  tensor all-red. a = allreduce_s(tokens x d_model x A bytes, N, the group's slowest link), two
                   per layer in the forward; allreduce_s(b, N, L, W) = 0 if N == 1, else
                   2 (N-1) L + 2 (N-1)/N b / W (a ring; the slowest link: the largest latency
                   and the smallest bandwidth over the members' pairs).
@@ -16,7 +16,7 @@ unit_ms and parameter counts, `cluster` for speeds v, memory and links):
                   recomputes the forward, then does twice its work;
                   `core.schedule.stage_seconds`).
   boundary        p -> p+1 and back, per microbatch: max over t of
-                  L + tokens x d_model x 4 / W over the link (d, p, t) -- (d, p+1, t).
+                  L + tokens x d_model x A / W over the link (d, p, t) -- (d, p+1, t).
   pipeline d      `core.schedule.step_time(table(schedule, S, M_d), f, b, send, send)`.
   parameters      what the pipelined engine (`core.pipeline`) holds on every device: its
                   stage's block parameters padded to the plan's capacities (the most layers any
@@ -25,15 +25,19 @@ unit_ms and parameter counts, `cluster` for speeds v, memory and links):
                   replicated on every stage.
   all-reduces     after the last tick: the replicated parameters' gradients over each
                   pipeline's stages (for every pipeline d and position t a ring over (d, :, t)
-                  of their bytes: allreduce_s(4 x first and last parameters, pipe, the ring's
+                  of their bytes: allreduce_s(G x first and last parameters, pipe, the ring's
                   slowest link); the slowest), then every gradient over the pipelines (for
-                  every position (p, t) a ring over (:, p, t) of the device's parameter bytes;
+                  every position (p, t) a ring over (:, p, t) of G x the device's parameters;
                   the slowest position; 0 with one pipeline).
   step            sync: the slowest pipeline + the all-reduces; ssaw, async, local_sgd:
                   `sync.predict.predict(mode, pipeline seconds, comm_s=all-reduces)`.
-  memory          a device holds 3 x 4 bytes per parameter (parameters and Adam's two
-                  moments) and (in_flight[p] + 2) x tokens x d_model x 4 bytes of activations
+  memory          a device holds P + M + V bytes per parameter (the parameter and Adam's two
+                  moments) and (in_flight[p] + 2) x tokens x d_model x A bytes of activations
                   (its stash, `core.schedule.in_flight`, and the two ppermute receive buffers).
+
+Bytes per value (`costs.StateBytes`, all 4 in float32): A an activation (compute dtype), G a
+gradient and P a parameter (param_dtype), M and V Adam's first moment (optimizer.mu_dtype, or
+param_dtype) and second (param_dtype).
 
 This module computes it loop by loop, as a reader would by hand; `evaluate` computes the same
 numbers vectorized for the search.
@@ -127,12 +131,12 @@ def predict(plan: plan_lib.Plan, costs: costs_lib.ModelCosts,
     stash = schedule_lib.in_flight(tab)
     for p in range(s_):
       for t in range(n_):
-        memory[grid[d, p, t]] = (evaluate.STATE_COPIES * costs_lib.BYTES * params[p, t]
+        memory[grid[d, p, t]] = (costs.nbytes.state * params[p, t]
                                  + (stash[p] + evaluate.STASH_BUFFERS) * act)
-  pipe_ar = max(schedule_lib.allreduce_s(costs_lib.BYTES * shared, s_,
+  pipe_ar = max(schedule_lib.allreduce_s(costs.nbytes.grad * shared, s_,
                                          *cluster.group_link(grid[d, :, t]))
                 for d in range(r_) for t in range(n_))
-  data_ar = max(schedule_lib.allreduce_s(costs_lib.BYTES * params[p, t], r_,
+  data_ar = max(schedule_lib.allreduce_s(costs.nbytes.grad * params[p, t], r_,
                                          *cluster.group_link(grid[:, p, t]))
                 for p in range(s_) for t in range(n_))
   grads_ar = pipe_ar + data_ar

@@ -58,6 +58,7 @@ from semijax.balance import resize as resize_spec_lib
 from semijax.balance import settings as settings_lib
 from semijax.balance.cost import Setup
 from semijax.core import emulation
+from semijax.core import precision as precision_lib
 from semijax.sim import cluster as cluster_lib
 from semijax.sim import hardware as hardware_lib
 from semijax.sim import simulator
@@ -98,7 +99,7 @@ def _config(run_dir: str) -> dict:
 
 def _setting(config: dict) -> dict:
   """What a replay needs of a run's config."""
-  keep = ("model", "batch_size", "mesh", "balance", "resize", "hetero")
+  keep = ("model", "batch_size", "mesh", "balance", "resize", "hetero", "optimizer")
   return {k: config[k] for k in keep if k in config}
 
 
@@ -196,11 +197,15 @@ def load_measurements(directory: str) -> dict:
 
 
 def workload_of(setting: dict) -> workload_lib.Workload:
+  """The replayed run's model, batch and precision (float32 where the record predates them)."""
   m = setting["model"]
+  precision = precision_lib.Precision(**{f.name: m[f.name] for f in dataclasses.fields(
+      precision_lib.Precision) if f.name in m})
   return workload_lib.Workload.gpt(
       d_model=m["d_model"], num_heads=m["num_heads"], d_ff=m["d_ff"], num_layers=m["num_layers"],
       seq_len=m["seq_len"], vocab_size=m["vocab_size"],
-      batch_per_replica=setting["batch_size"] // setting["mesh"]["data"])
+      batch_per_replica=setting["batch_size"] // setting["mesh"]["data"], precision=precision,
+      mu_dtype=setting.get("optimizer", {}).get("mu_dtype", ""))
 
 
 def _resize_spec(d: dict) -> resize_spec_lib.ResizeSpec:

@@ -56,8 +56,9 @@ SCHEDULE = "gpipe"
 
 def model_costs(workload: workload_lib.Workload,
                 hw: hardware_lib.Hardware) -> costs_lib.ModelCosts:
-  """The planner's costs of `workload`'s model on devices of `hw.device_flops` at speed 1."""
-  return costs_lib.ModelCosts.from_spec(workload.spec, hw.device_flops / 1e9)
+  """The planner's costs of `workload`'s model on devices of `hw.device_flops` at speed 1, in
+  its precision."""
+  return costs_lib.ModelCosts.from_spec(workload.spec, hw.device_flops / 1e9, workload.mu_dtype)
 
 
 def _links(cluster: cluster_lib.Cluster, hw: hardware_lib.Hardware):

@@ -38,11 +38,6 @@ from semijax.sim import strategies
 from semijax.sim import traces as traces_lib
 from semijax.sim import workload as workload_lib
 
-# Optimizer state per parameter that a migration moves with a unit: the weight and both Adam
-# moments (float32).
-STATE_COPIES = 3
-
-
 @dataclasses.dataclass(frozen=True)
 class Run:
   """One simulated run.
@@ -139,9 +134,10 @@ def _move_seconds(hw: hardware_lib.Hardware, workload: workload_lib.Workload, la
                   num_devices: int):
   """A stage's migration cost: `move_fixed_s` + the local gathers over the device's unit state
   (`move_local_bytes_per_s`) + the all_to_all's bytes (`core.migrate`'s wire slots x a unit's
-  weights and moments in the stage) at `move_bytes_per_s`."""
-  per_unit = {k: STATE_COPIES * workload_lib.F32 * p * layers
-              for k, p in workload.unit_params().items()}
+  weights and moments in the stage, at their stored dtypes: `Workload.unit_state_bytes`) at
+  `move_bytes_per_s`."""
+  per_unit = {k: b * layers / workload.spec.num_layers
+              for k, b in workload.unit_state_bytes().items()}
   units = workload.spec.num_units()
   local = sum(per_unit[k] * u for k, u in units.items()) / num_devices
 

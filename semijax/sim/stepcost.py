@@ -21,11 +21,12 @@ times its speed (`shared_finish`; a device slowed by a competitor keeps its spee
 goes to the competitor when it waits), so an uneven split of uncontended devices costs less
 than its slowest device's share says. A replica's step runs the microbatches through the
 stages (one forward-backward pipeline, GPipe / 1F1B: sum_s tau + (M - 1) max_s tau), then
-every device updates its state (the optimizer reads and writes the parameters and both moments:
-`memory_bytes_per_s`), plus `step_overhead_s`, plus `contention_wait_s` x (1 - the replica's
-slowest speed) (a process sharing its core with a competitor wakes up late from the step's
-collectives). The replicas are combined by a data-parallel strategy (`semijax.sim.strategies`):
-for synchronous data parallelism, the slowest replica plus a ring all-reduce of the gradients.
+every device updates its state (the optimizer reads and writes the parameters and both moments
+at their stored dtypes, `Workload.nbytes`, at `memory_bytes_per_s`), plus `step_overhead_s`,
+plus `contention_wait_s` x (1 - the replica's slowest speed) (a process sharing its core with
+a competitor wakes up late from the step's collectives). The replicas are combined by a
+data-parallel strategy (`semijax.sim.strategies`): for synchronous data parallelism, the slowest
+replica plus a ring all-reduce of the gradients (in the parameters' dtype).
 
 Everything is numpy over [R, S, T, L] at once: one step of 4,096 devices costs well under a
 millisecond of host time. A model keeps the replica times of inputs it has seen
@@ -132,7 +133,7 @@ class StepModel:
     self.boundary_s = np.array([0.0 if i == s - 1 else
                                 2 * hardware.link("pipe").seconds(workload.boundary_bytes())
                                 for i in range(s)])
-    self.update_s = np.array([2 * 3 * workload_lib.F32 * p / hardware.memory_bytes_per_s
+    self.update_s = np.array([2 * workload.nbytes.state * p / hardware.memory_bytes_per_s
                               for p in self.params_per_device()])
     if hardware.cores:        # fake devices on shared cores: each one's copy takes its turn
       share = max(1.0, cluster.tensor / hardware.cores)
@@ -155,8 +156,9 @@ class StepModel:
     return np.asarray(out, np.float64)
 
   def gradient_bytes(self) -> float:
-    """Bytes of the gradients one device all-reduces over the replicas (the largest stage)."""
-    return float(workload_lib.F32 * self.params_per_device().max())
+    """Bytes of the gradients one device all-reduces over the replicas (the largest stage), in
+    the parameters' dtype."""
+    return float(self.workload.nbytes.grad * self.params_per_device().max())
 
   def factors(self, kinds) -> np.ndarray:
     """float [S]: the block compute factor of each stage's step variant."""

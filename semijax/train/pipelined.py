@@ -64,8 +64,10 @@ say = metrics_lib.say
 
 
 def model_costs(run: config_lib.RunConfig) -> costs_lib.ModelCosts:
-  """The planner's view of the run's model at the emulated device rate."""
-  return costs_lib.ModelCosts.from_spec(run.model, run.hetero.device_gflops)
+  """The planner's view of the run's model at the emulated device rate, in its precision and
+  with its optimizer's first-moment dtype."""
+  return costs_lib.ModelCosts.from_spec(run.model, run.hetero.device_gflops,
+                                        run.optimizer.mu_dtype)
 
 
 def cluster(run: config_lib.RunConfig, num_devices: int) -> cluster_lib.Cluster:
@@ -218,7 +220,7 @@ def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
     costs = model_costs(run)
     emulator = emulation.PipelineEmulator(
         run.pipeline.devices, plan.grid(), costs.unit_ms(tokens),
-        costs_lib.BYTES * tokens * run.model.d_model, stack_bytes, shared_bytes, plan.schedule,
+        costs.activation_bytes(tokens), stack_bytes, shared_bytes, plan.schedule,
         tuple(1e3 * costs.edge_s(tokens, plan.pipe)))
   return Setup(plan, engine, layout, emulator)
 
