@@ -1,14 +1,17 @@
-"""The planner's model costs against the real models' parameters and the spec's FLOPs."""
+"""The planner's model costs against the real models' parameters, dtypes and optimizer state and
+the spec's FLOPs."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from helpers import GPT_KW, VIT_KW
 from semijax import models
 from semijax.planner import costs as costs_lib
+from semijax.train import optimizer as optimizer_lib
 
 
 def count_params(module):
@@ -69,3 +72,50 @@ def test_edge_flops_follow_xla_s_count():
   np.testing.assert_allclose(costs.edge_s(100, 3), [costs.first_flops * 100 / 1e9, 0,
                                                     costs.last_flops * 100 / 1e9])
   assert costs.edge_s(100, 1)[0] == pytest.approx((costs.first_flops + costs.last_flops) / 1e7)
+
+
+@pytest.mark.parametrize("dtype, param_dtype, mu_dtype", [
+    ("float32", "float32", ""), ("bfloat16", "float32", ""), ("bfloat16", "float32", "bfloat16"),
+    ("bfloat16", "bfloat16", "float32"), ("float16", "bfloat16", "")])
+def test_bytes_per_value_are_the_models_and_the_optimizers(dtype, param_dtype, mu_dtype):
+  """`StateBytes` against the real model and optimizer: what the model stores per parameter,
+  what its stem hands the first block (an activation, as a stage boundary and a tensor
+  all-reduce carry it), and what AdamW keeps of each moment."""
+  spec = models.spec("gpt", dict(GPT_KW, dtype=dtype, param_dtype=param_dtype))
+  costs = costs_lib.ModelCosts.from_spec(spec, 1.0, mu_dtype)
+  nbytes = costs.nbytes
+  model = models.build(spec)[0](nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  leaves = jax.tree.leaves(params)
+  count = sum(x.size for x in leaves)
+  assert sum(x.nbytes for x in leaves) == nbytes.param * count
+  act = jax.eval_shape(model.stem, jnp.zeros((2, spec.seq_len), jnp.int32))
+  assert act.dtype.itemsize == nbytes.compute
+  assert costs.activation_bytes(64) == 64 * 32 * act.dtype.itemsize
+  tx = optimizer_lib.make(optimizer_lib.OptimizerSpec(mu_dtype=mu_dtype), 10)
+  adam = [s for s in jax.tree.leaves(jax.eval_shape(tx.init, params),
+                                     is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+          if isinstance(s, optax.ScaleByAdamState)]
+  assert len(adam) == 1
+  moment_bytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  assert moment_bytes(adam[0].mu) == nbytes.mu * count
+  assert moment_bytes(adam[0].nu) == nbytes.nu * count
+  assert nbytes.state == nbytes.param + nbytes.mu + nbytes.nu
+  # Gradients arrive in the parameters' dtype.
+  assert nbytes.grad == nbytes.param
+
+
+def test_a_half_compute_dtype_halves_the_activation_bytes_only():
+  f32 = costs_lib.ModelCosts.from_spec(models.spec("gpt", GPT_KW), 1.0)
+  bf16 = costs_lib.ModelCosts.from_spec(models.spec("gpt", dict(GPT_KW, dtype="bfloat16")), 1.0)
+  assert f32.nbytes == costs_lib.StateBytes()                        # 4 bytes everywhere
+  assert bf16.activation_bytes(64) == f32.activation_bytes(64) / 2
+  assert bf16.nbytes.state == f32.nbytes.state == 12
+  stored = costs_lib.ModelCosts.from_spec(
+      models.spec("gpt", dict(GPT_KW, param_dtype="bfloat16")), 1.0, "float32")
+  assert stored.activation_bytes(64) == f32.activation_bytes(64)
+  assert (stored.nbytes.param, stored.nbytes.grad, stored.nbytes.state) == (2, 2, 8)
+  with pytest.raises(ValueError, match="mu_dtype: 'int8'"):
+    costs_lib.StateBytes.of(mu_dtype="int8")
+  with pytest.raises(ValueError, match="StateBytes.compute"):
+    costs_lib.StateBytes(compute=0)
