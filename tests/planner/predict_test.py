@@ -62,6 +62,56 @@ def test_a_pipeline_by_hand():
   assert not out["memory_ok"] and out["memory_use"] == pytest.approx((12 * 392 + 32) / 3000)
 
 
+def test_a_pipeline_by_hand_in_half_precision():
+  """`test_a_pipeline_by_hand`'s plan with bfloat16 activations (2 bytes a value: 4 bytes per
+  microbatch), then also bfloat16 parameters, gradients and moments."""
+  plan = plan_lib.Plan(data=1, pipe=2, tensor=2, device_order=(0, 1, 2, 3), stage_layers=(1, 2),
+                       stage_units=({"mlp": (3, 1), "heads": (1, 1)},
+                                    {"mlp": (2, 2), "heads": (1, 1)}),
+                       microbatches=(2,), microbatch_size=1, schedule="gpipe")
+  compute = dataclasses.replace(COSTS, nbytes=costs_lib.StateBytes(compute=2))
+  out = predict.predict(plan, compute, CLUSTER)
+  # A tensor all-reduce: 2 x 0.1 + 2 x 1/2 x 4/8 = 0.7 s. Stage 0: f = 6 + 1.4, b = 18 + 2.8;
+  # stage 1: f = 2 x (4 + 1.4), b = 2 x (12 + 2.8). Boundary: 1 + 4/4 = 2 s.
+  np.testing.assert_allclose(out["stage_forward_s"], [7.4, 10.8])
+  np.testing.assert_allclose(out["stage_backward_s"], [20.8, 29.6])
+  # Ticks 7.4, 10.8, 10.8 + 29.6, 29.6, 20.8 and a 2 s transfer in each of the first four.
+  assert out["compute_s"] == pytest.approx(109.0)
+  assert out["transfer_s"] == pytest.approx(8.0)
+  assert out["pipe_allreduce_s"] == pytest.approx(122.0)           # gradients still float32
+  np.testing.assert_allclose(out["memory_bytes"], [12 * 392 + 4 * 4] * 2 + [12 * 392 + 3 * 4] * 2)
+  assert not out["memory_ok"]
+  # bfloat16 storage: the replicated gradients' ring 2 x 1 + 2 x 1/2 x 2 x 120 / 4 = 62 s, and
+  # 3 x 2 bytes a parameter: 6 x 392 + 16 = 2368 bytes fit region 0's 3000.
+  half = dataclasses.replace(COSTS, nbytes=costs_lib.StateBytes(2, 2, 2, 2, 2))
+  out = predict.predict(plan, half, CLUSTER)
+  assert out["pipe_allreduce_s"] == pytest.approx(62.0)
+  assert out["step_s"] == pytest.approx(109.0 + 8.0 + 62.0)
+  np.testing.assert_allclose(out["memory_bytes"], [6 * 392 + 4 * 4] * 2 + [6 * 392 + 3 * 4] * 2)
+  assert out["memory_ok"]
+
+
+def test_half_precision_halves_the_bytes_on_the_wire():
+  """Without latencies: a bfloat16 compute dtype halves the tensor all-reduces and the boundary
+  transfers, bfloat16 parameters the gradient all-reduces, each alone."""
+  free = cluster_lib.Cluster(CLUSTER.speeds, CLUSTER.memory, np.zeros((4, 4)), CLUSTER.bandwidth,
+                             CLUSTER.regions)
+  nbytes = {"f32": costs_lib.StateBytes(), "compute": costs_lib.StateBytes(compute=2),
+            "stored": costs_lib.StateBytes(param=2, grad=2, mu=2, nu=2)}
+  for grid in ([[[0, 1], [2, 3]]], [[[0, 2]], [[1, 3]]]):       # (1, 2, 2) and (2, 1, 2)
+    gc = {k: evaluate.GridCosts.of(np.asarray(grid), dataclasses.replace(COSTS, nbytes=b), free,
+                                   4) for k, b in nbytes.items()}
+    f32, compute, stored = gc["f32"], gc["compute"], gc["stored"]
+    np.testing.assert_allclose(compute.allreduce_s, f32.allreduce_s / 2)
+    np.testing.assert_allclose(compute.send_s, f32.send_s / 2)
+    assert compute.act_bytes == f32.act_bytes / 2
+    np.testing.assert_array_equal(stored.allreduce_s, f32.allreduce_s)
+    params = f32.param_counts(np.ones(len(grid[0])), COSTS)
+    assert stored.data_allreduce_s(params) == pytest.approx(f32.data_allreduce_s(params) / 2)
+    assert compute.data_allreduce_s(params) == f32.data_allreduce_s(params)
+    assert np.all(f32.allreduce_s > 0) and f32.data_allreduce_s(params) > 0
+
+
 def test_the_embedding_and_head_by_hand():
   """The unsplit edge work: every device of the first stage runs the embedding (1 s per token
   here), of the last the head (4 s), on the group's slowest device; the backward 3x. A head
@@ -113,7 +163,7 @@ def test_data_parallel_pipelines_by_hand():
   assert ssaw["step_s"] == pytest.approx(want)
 
 
-def random_request(rng, num_devices, layers):
+def random_request(rng, num_devices, layers, nbytes=costs_lib.StateBytes()):
   speeds = rng.choice([1.0, 0.6, 0.3], num_devices)
   regions = np.sort(rng.integers(0, 2, num_devices))
   lat = np.where(regions[:, None] == regions[None], 1e-5, 2e-3)
@@ -125,15 +175,18 @@ def random_request(rng, num_devices, layers):
                                unit_params={"mlp": 65, "heads": 1048}, layer_params=192,
                                first_params=2560, last_params=2112, device_gflops=0.05,
                                first_flops=float(rng.choice([0.0, 500.0])),
-                               last_flops=float(rng.choice([0.0, 5000.0, 30000.0])))
+                               last_flops=float(rng.choice([0.0, 5000.0, 30000.0])),
+                               nbytes=nbytes)
   return request.as_request(costs, cluster, 48, (1, 2, 4), syncs=("sync", "ssaw"))
 
 
-def test_the_search_prices_what_predict_predicts():
+@pytest.mark.parametrize("nbytes", [costs_lib.StateBytes(), costs_lib.StateBytes(2, 4, 4, 2, 4),
+                                    costs_lib.StateBytes(2, 2, 2, 2, 2)])
+def test_the_search_prices_what_predict_predicts(nbytes):
   rng = np.random.default_rng(0)
   checked = 0
   for trial in range(40):
-    req = random_request(rng, int(rng.choice([4, 6, 8])), int(rng.integers(2, 6)))
+    req = random_request(rng, int(rng.choice([4, 6, 8])), int(rng.integers(2, 6)), nbytes)
     shape = req.factorizations()[rng.integers(len(req.factorizations()))]
     grid = rng.permutation(req.num_devices).reshape(shape)
     layers = split.compositions(req.costs.num_layers, shape[1])
