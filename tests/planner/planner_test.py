@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import brute_force
+from helpers import GPT_KW
+from semijax import models
 from semijax.planner import baselines
 from semijax.planner import cluster as cluster_lib
 from semijax.planner import costs as costs_lib
@@ -171,6 +173,24 @@ def test_the_planner_beats_or_ties_every_baseline():
     assert len(set(plans["even_pipeline"].stage_layers)) == 1
   # Uneven speeds are worth uneven work: the planner gains over the even pipeline.
   assert plans["full"].predicted_s < 0.9 * plans["even_pipeline"].predicted_s
+
+
+@pytest.mark.parametrize("fields, mu_dtype, memory", [
+    # 12 bytes a parameter need >= 147 kB on two devices; bfloat16 storage 6 bytes (75 kB), or
+    # 8 with a float32 first moment (99 kB).
+    ({"param_dtype": "bfloat16"}, "", 1.2e5), ({"param_dtype": "bfloat16"}, "float32", 1.2e5),
+    # 512 tokens an example: activations are a third of the need (433 kB); in bfloat16, 368 kB.
+    ({"dtype": "bfloat16", "seq_len": 512, "vocab_size": 16}, "", 4e5)])
+def test_the_memory_check_admits_in_half_precision_what_float32_does_not_hold(fields, mu_dtype,
+                                                                              memory):
+  half = costs_lib.ModelCosts.from_spec(models.spec("gpt", {**GPT_KW, **fields}), 1.0, mu_dtype)
+  f32 = dataclasses.replace(half, nbytes=costs_lib.StateBytes())
+  cluster = cluster_lib.Cluster(np.ones(2), memory, np.full((2, 2), 1e-5), np.full((2, 2), 1e9))
+  with pytest.raises(ValueError, match="cluster.memory: no plan fits"):
+    search.plan(f32, cluster, 4, (1, 2, 4))
+  plan = search.plan(half, cluster, 4, (1, 2, 4))
+  assert plan.breakdown["memory_ok"] and max(plan.breakdown["memory_bytes"]) <= memory
+  assert not predict.predict(plan, f32, cluster)["memory_ok"]       # the same plan in float32
 
 
 def test_bad_requests_name_the_argument():
