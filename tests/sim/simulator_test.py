@@ -8,6 +8,9 @@ import pytest
 from semijax.balance import controller as controller_lib
 from semijax.balance import settings as settings_lib
 from semijax.core import emulation
+from semijax.core import layout as layout_lib
+from semijax.core import migrate as migrate_lib
+from semijax.core.precision import Precision
 from semijax.sim import cluster as cluster_lib
 from semijax.sim import hardware
 from semijax.sim import simulator
@@ -50,6 +53,36 @@ def test_migrate_moves_work_off_the_straggler_and_beats_even():
   oracle = stage_lib.oracle_counts(workload().spec, [1, 0.25, 1, 1])
   static = simulator.simulate(run_of("static", counts=(oracle,)), slow_trace())
   assert static.tokens_per_s > mig.tokens_per_s * 0.95             # the oracle moves nothing
+
+
+def test_bfloat16_storage_halves_what_a_migration_moves():
+  """A migration moves each unit's weight and both Adam moments at their stored dtypes: 12
+  bytes a parameter in float32, 6 in bfloat16, 8 with a float32 first moment; the activations'
+  dtype does not enter."""
+  hw = hardware.Hardware("m", device_flops=2e9, move_local_bytes_per_s=1e9, move_bytes_per_s=1e8)
+  spec = workload().spec
+  even = layout_lib.Layout.for_model(d_model=spec.d_model, num_heads=spec.num_heads,
+                                     d_ff=spec.d_ff, num_devices=4)
+  uneven = layout_lib.Layout.for_model(d_model=spec.d_model, num_heads=spec.num_heads,
+                                       d_ff=spec.d_ff, num_devices=4, mlp=(96, 32, 64, 64),
+                                       heads=(3, 1, 2, 2))
+  moves = migrate_lib.plan(even, uneven)
+  seconds = {}
+  for name, kw in [("float32", {}), ("compute", {"dtype": "bfloat16"}),
+                   ("stored", {"param_dtype": "bfloat16"})]:
+    w = dataclasses.replace(workload(), spec=dataclasses.replace(spec, precision=Precision(**kw)))
+    seconds[name] = simulator._move_seconds(hw, w, spec.num_layers, 4)(moves)
+    seconds[name + "_mu32"] = simulator._move_seconds(
+        hw, dataclasses.replace(w, mu_dtype="float32"), spec.num_layers, 4)(moves)
+  # By hand for float32: the local gathers over a device's quarter of the units' state and the
+  # wire slots' state, 12 bytes a parameter.
+  per_unit = {"mlp": 12 * (2 * 64 + 1) * 2, "heads": 12 * (4 * 64 * 8 + 3 * 8) * 2}
+  local = (per_unit["mlp"] * 256 + per_unit["heads"] * 8) / 4 / 1e9
+  wire = sum(per_unit[k] * m.wire_slots for k, m in moves.kinds.items()) / 4 / 1e8
+  assert wire > 0 and seconds["float32"] == pytest.approx(local + wire, rel=1e-12)
+  assert seconds["compute"] == seconds["float32"] == seconds["float32_mu32"]
+  assert seconds["stored"] == pytest.approx(seconds["float32"] / 2, rel=1e-12)
+  assert seconds["stored_mu32"] == pytest.approx(seconds["float32"] * 8 / 12, rel=1e-12)
 
 
 def test_with_data_parallelism_the_layout_follows_the_slowest_replica():

@@ -5,10 +5,15 @@ import dataclasses
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from helpers import GPT_KW, make_engine
+from semijax.core import engine as engine_lib
+from semijax.core import mesh as mesh_lib
+from semijax.core.precision import Precision
 from semijax.errors import ConfigError
+from semijax.models import gpt, tasks
 from semijax.sim import cluster as cluster_lib
 from semijax.sim import hardware
 from semijax.sim import stepcost
@@ -23,13 +28,27 @@ HW = hardware.Hardware(
            "data": hardware.Link(3e-5, 1e10), "region": hardware.Link(1e-3, 1e9)})
 
 
-def small_workload(microbatches=2):
+def small_workload(microbatches=2, **kw):
   return workload_lib.Workload.gpt(d_model=64, num_heads=4, d_ff=96, num_layers=4, seq_len=16,
-                                   vocab_size=50, batch_per_replica=4, microbatches=microbatches)
+                                   vocab_size=50, batch_per_replica=4, microbatches=microbatches,
+                                   **kw)
 
 
-def reference_step(w, c, hw, widths, kinds, speeds, links):
-  """The module doc's formulas, written out with loops and nothing from `stepcost`."""
+# {name: (precision and mu_dtype of the workload, bytes of (an activation, a gradient, the state
+# of a parameter: itself and Adam's two moments))}, the bytes by hand.
+PRECISIONS = {
+    "float32": ({}, (4, 4, 12)),
+    "bf16_compute": ({"precision": Precision(dtype="bfloat16")}, (2, 4, 12)),
+    "bf16": ({"precision": Precision(dtype="bfloat16", param_dtype="bfloat16")}, (2, 2, 6)),
+    "bf16_mu32": ({"precision": Precision(dtype="bfloat16", param_dtype="bfloat16"),
+                   "mu_dtype": "float32"}, (2, 2, 8)),
+}
+
+
+def reference_step(w, c, hw, widths, kinds, speeds, links, nbytes=(4, 4, 12)):
+  """The module doc's formulas, written out with loops and nothing from `stepcost`; `nbytes`:
+  (activation, gradient, state) bytes per value."""
+  act_b, grad_b, state_b = nbytes
   spec = w.spec
   tokens = w.batch_per_replica * spec.seq_len // w.microbatches
   flops = {k: 3.0 * f for k, f in spec.flops_per_unit().items()}
@@ -37,7 +56,7 @@ def reference_step(w, c, hw, widths, kinds, speeds, links):
   d = spec.d_model
   ring = lambda link, b, n: 0.0 if n == 1 else (2 * (n - 1) * link.latency_s
                                                 + 2 * (n - 1) / n * b / link.bytes_per_s)
-  act = tokens * d * 4
+  act = tokens * d * act_b
   factor = {"single": 1.0, "branched": 1 + hw.branch_overhead, "resized": 1 + hw.resize_overhead,
             "offload": 1 + hw.offload_overhead}
   replicas = []
@@ -62,10 +81,10 @@ def reference_step(w, c, hw, widths, kinds, speeds, links):
       params = layers[s] * (unit / c.tensor + 6 * d)
       params += (w.vocab_size + spec.seq_len) * d if s == 0 else 0
       params += (2 * d + d * w.vocab_size) if s == c.pipe - 1 else 0
-      updates.append(24 * params / hw.memory_bytes_per_s / slowest)
+      updates.append(2 * state_b * params / hw.memory_bytes_per_s / slowest)
     pipeline = sum(taus) + (w.microbatches - 1) * max(taus)
     replicas.append(pipeline + max(updates) + hw.step_overhead_s)
-  grad = 4 * max(
+  grad = grad_b * max(
       layers[s] * (((2 * d + 1) * spec.d_ff + (4 * d * spec.head_dim + 3 * spec.head_dim)
                     * spec.num_heads) / c.tensor + 6 * d)
       + ((w.vocab_size + spec.seq_len) * d if s == 0 else 0)
@@ -80,10 +99,12 @@ def reference_step(w, c, hw, widths, kinds, speeds, links):
   return max(replicas) + sync
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("data, pipe, regions", [(1, 1, 1), (3, 2, 1), (4, 2, 2)])
-def test_step_matches_the_loop_reference(data, pipe, regions):
+def test_step_matches_the_loop_reference(data, pipe, regions, precision):
   rng = np.random.default_rng(data * 10 + pipe)
-  w = small_workload()
+  kw, nbytes = PRECISIONS[precision]
+  w = small_workload(**kw)
   c = cluster_lib.Cluster(data, pipe, 4, regions)
   model = stepcost.StepModel(w, c, HW, strategies.make("sync"))
   widths = {k: rng.integers(1, 30, (pipe, 4, 4 // pipe)).astype(float) for k in ("mlp", "heads")}
@@ -91,7 +112,7 @@ def test_step_matches_the_loop_reference(data, pipe, regions):
   speeds = rng.uniform(0.2, 1.0, (data, pipe, 4))
   links = np.array([0.3, 1.0])[:regions]
   got = model.step(widths, kinds, speeds, links).seconds
-  want = reference_step(w, c, HW, widths, kinds, speeds, links)
+  want = reference_step(w, c, HW, widths, kinds, speeds, links, nbytes)
   assert got == pytest.approx(want, rel=1e-9)
 
 
@@ -184,6 +205,40 @@ def test_workload_counts_match_the_real_engine():
   assert w.unit_flops() == pytest.approx({"mlp": 3 * 128, "heads": 3 * (1024 + 64)})
   assert w.layer_repeated_flops() == pytest.approx(3 * 512)
   assert w.last_flops() == pytest.approx(3 * (256 + 4096 + 320))
+
+
+def test_half_precision_halves_what_it_stores_and_sends():
+  """Without latencies: bfloat16 activations halve the tensor all-reduce, the boundary transfer
+  and the weights offloading sends; bfloat16 storage the gradient all-reduce and the update."""
+  free = hardware.Hardware("f", device_flops=1e12, memory_bytes_per_s=1e11,
+                           links={k: hardware.Link(0.0, 1e10) for k in hardware.LEVELS})
+  c = cluster_lib.Cluster(2, 2, 4)
+  model = {k: stepcost.StepModel(small_workload(**kw), c, free, strategies.make("sync"))
+           for k, (kw, _) in PRECISIONS.items()}
+  f32, compute, half = model["float32"], model["bf16_compute"], model["bf16"]
+  assert f32.allreduce_s > 0 and f32.boundary_s[0] > 0
+  assert compute.allreduce_s == pytest.approx(f32.allreduce_s / 2)
+  np.testing.assert_allclose(compute.boundary_s, f32.boundary_s / 2)
+  w32, w16 = f32.workload, compute.workload
+  assert w16.unit_bytes() == pytest.approx({k: b / 2 for k, b in w32.unit_bytes().items()})
+  assert compute.gradient_bytes() == f32.gradient_bytes()
+  np.testing.assert_array_equal(compute.update_s, f32.update_s)
+  assert half.gradient_bytes() == f32.gradient_bytes() / 2
+  np.testing.assert_allclose(half.update_s, f32.update_s / 2)
+  np.testing.assert_allclose(model["bf16_mu32"].update_s, f32.update_s * 8 / 12)
+  with pytest.raises(ConfigError, match="sim.workload.mu_dtype"):
+    small_workload(mu_dtype="int8")
+
+
+@pytest.mark.parametrize("precision", [Precision(), Precision(dtype="bfloat16"),
+                                       Precision(dtype="bfloat16", param_dtype="bfloat16")])
+def test_offloaded_unit_bytes_are_the_engines_in_each_precision(precision):
+  mesh = mesh_lib.make_mesh(1, 8)
+  eng = engine_lib.Engine(lambda rngs: gpt.GPT(rngs=rngs, precision=precision, **GPT_KW),
+                          tasks.language_model, mesh, optax.adamw(1e-2))
+  w = workload_lib.Workload.gpt(**GPT_KW, batch_per_replica=4, precision=precision)
+  assert w.unit_bytes() == pytest.approx(eng.unit_bytes())
+  assert w.unit_bytes()["mlp"] == precision.compute_bytes * (2 * 32 + 1) * 2    # 2 layers
 
 
 def test_devices_sharing_cores_speed_up_while_full_speed_partners_wait():
