@@ -173,7 +173,7 @@ def main(argv):
     spec = models.spec(config.model.name, {k: v for k, v in config.model.items()
                                            if k != "name"})
     gflops = _GFLOPS.value or float(config.hetero.device_gflops)
-    costs = costs_lib.ModelCosts.from_spec(spec, gflops)
+    costs = costs_lib.ModelCosts.from_spec(spec, gflops, config.optimizer.mu_dtype)
     cluster = build_cluster(config)
     batch = _BATCH.value or int(config.batch_size)
     planner_cfg = config.get("planner", {})
