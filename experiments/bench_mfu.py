@@ -8,9 +8,10 @@ that computes w of its units in every block, at each bucket width w, in two prog
 single-width step (compiled for w alone) and the branched step (a `lax.switch` over every width,
 what an uneven split runs). Reports seconds per step, the model FLOPs of the units computed
 (`benchmarks.mfu.step_flops`), the achieved TFLOP/s and the MFU against the device's peak
-(`--peak_tflops`, or the table in benchmarks/mfu.py for known GPUs). Models: `bench`, the
+for its compute dtype (`--peak_tflops`, or the table in benchmarks/mfu.py for known GPUs). Models: `bench`, the
 straggler benchmark's (d_model 256, d_ff 1024, 2 layers, batch 16 x 64 tokens), and `gpt_tiny`,
-configs/gpt_tiny.py's default GPU size (d_model 512, d_ff 2048, 6 layers, batch 64 x 256).
+configs/gpt_tiny.py's default GPU size (d_model 512, d_ff 2048, 6 layers, batch 64 x 256, in
+bfloat16; the others in float32). `--dtype` sets the compute dtype of either.
 Writes --out_dir/bench_mfu.{json,md}.
 """
 
@@ -37,10 +38,12 @@ _MODEL = flags.DEFINE_enum("model", "bench", ["bench", "gpt_tiny", "tiny"],
 _WIDTHS = flags.DEFINE_integer("num_widths", 6, "Compiled bucket widths per kind.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per program (median reported).")
 _PEAK = flags.DEFINE_float("peak_tflops", 0.0, "The device's peak TFLOP/s (0: look it up).")
+_DTYPE = flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16", "float16"],
+                           "Compute dtype (model.dtype); '' = the model's config.")
 
 
-def model_config(name: str, num_widths: int):
-  """The config of model `name` on one device."""
+def model_config(name: str, num_widths: int, dtype: str = ""):
+  """The config of model `name` on one device, computing in `dtype` ("": the config's)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   arg = "tensor=1" if name == "gpt_tiny" else "cpu,tensor=1"
   c = config_lib.load(os.path.join(root, "configs", "gpt_tiny.py") + ":" + arg)
@@ -50,13 +53,15 @@ def model_config(name: str, num_widths: int):
     c.model.d_model, c.model.d_ff, c.model.num_layers, c.batch_size = 64, 128, 1, 4
     c.model.num_heads, c.model.seq_len = 4, 16
   c.layout.num_widths = num_widths
+  if dtype:
+    c.model.dtype = dtype
   return c
 
 
 def main(argv):
   del argv
-  run = config_lib.validate(model_config(_MODEL.value, _WIDTHS.value), jax.device_count(),
-                            jax.process_count())
+  run = config_lib.validate(model_config(_MODEL.value, _WIDTHS.value, _DTYPE.value),
+                            jax.device_count(), jax.process_count())
   if run.mesh.tensor != 1 or run.mesh.data != 1:
     raise app.UsageError("bench_mfu runs on one device")
   engine = train.build_engine(run)
@@ -65,7 +70,8 @@ def main(argv):
   layout = run.layout
   state = engine.init(run.seed, layout)
   device = jax.devices()[0]
-  peak = mfu.peak_tflops(device.device_kind, _PEAK.value)
+  dtype = run.model.precision.dtype
+  peak = mfu.peak_tflops(device.device_kind, _PEAK.value, dtype)
   tokens = run.batch_size * run.model.seq_len
   vocab = run.model.kwargs["vocab_size"]
   rows, results = [], []
@@ -92,11 +98,11 @@ def main(argv):
        "branched MFU", "branched / single"], rows)
   payload = {"model": _MODEL.value, "spec": run.model.to_dict(), "batch_size": run.batch_size,
              "backend": jax.default_backend(), "device": device.device_kind,
-             "jax": jax.__version__, "peak_tflops": peak,
+             "jax": jax.__version__, "dtype": dtype, "peak_tflops": peak,
              "matmul_precision": str(jax.config.jax_default_matmul_precision),
              "widths": results}
   paths = report.write(_OUT.value, "bench_mfu", payload, table)
-  print(f"{device.device_kind} ({jax.default_backend()}), peak {peak} TFLOP/s\n{table}")
+  print(f"{device.device_kind} ({jax.default_backend()}), {dtype}, peak {peak} TFLOP/s\n{table}")
   print(f"wrote {paths['json']} and {paths['md']}")
 
 

@@ -31,11 +31,19 @@ SPARSE_TF32 = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4,
                "NVIDIA A10": 125.0}
 
 
+# Dense bfloat16 tensor-core peaks (TFLOP/s), as the datasheets print them.
+DENSE_BF16 = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4,
+              "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA L40S": 362.0, "NVIDIA L4": 121.0,
+              "NVIDIA A10": 125.0}
+
+
 def test_peak_tflops_is_the_datasheets_dense_peak_of_the_reported_kind():
   # "L40S" and "L4", "A100" and "A10" share a prefix: each kind must find its own row.
   for kind, sparse in SPARSE_TF32.items():
     assert mfu.peak_tflops(kind) == pytest.approx(sparse / 2), kind
     assert mfu.peak_tflops(kind.lower()) == mfu.peak_tflops(kind), kind
+    assert mfu.peak_tflops(kind, dtype="bfloat16") == DENSE_BF16[kind], kind
+    assert mfu.peak_tflops(kind, dtype="float16") == DENSE_BF16[kind], kind
 
 
 def test_a_given_peak_wins_and_an_unknown_kind_has_none():
@@ -50,11 +58,12 @@ def test_bench_mfu_smoke_run_on_cpu(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_mfu.py"),
                   "--model=tiny", "--num_widths=2", "--steps=1", "--peak_tflops=1",
+                  "--dtype=bfloat16",
                   f"--out_dir={tmp_path}"], check=True, env=env, cwd=ROOT, timeout=300,
                  capture_output=True)
   with open(tmp_path / "bench_mfu.json") as f:
     out = json.load(f)
-  assert [r["mlp_width"] for r in out["widths"]] == [64, 128]
+  assert [r["mlp_width"] for r in out["widths"]] == [64, 128] and out["dtype"] == "bfloat16"
   for r in out["widths"]:
     assert r["single"]["step_s"] > 0 and 0 < r["single"]["mfu"] == pytest.approx(
         r["single"]["tflops"] / 1.0)
