@@ -1,0 +1,258 @@
+"""semijax's training step against the same GPT written plainly in JAX (`benchmarks/plain_gpt.py`).
+
+Three programs per precision, each a full training step (forward, backward, AdamW with the
+same `semijax.train.optimizer` settings), from the same initial parameters, on the same batch:
+
+  plain     `jax.jit` of a pure function of a parameter dict, no shard_map; on N devices the
+            batch is split over them (data parallel, parameters replicated), on one it is plain;
+  even      semijax's engine, an even split over the N tensor devices, the single-width step;
+  uneven    semijax's engine, device 0 owning `uneven` times the others' share of each unit kind
+            (`layout.proportional_counts`), the branched step over `num_widths` widths. On one
+            device the split cannot be uneven: the device owns every unit and computes all of
+            them through the `lax.switch` over the widths, so the cell measures what branching
+            costs.
+
+Every step is synced on its loss. The programs run in interleaved rounds (plain, even, uneven of
+each precision, then again), each round one untimed step and `steps` timed ones per program; a
+cell reports the median over rounds of the round medians, with the rounds' min and max, model
+TFLOP/s (`benchmarks.mfu.step_flops` of the whole model over the median), and the ratio of
+semijax's median over the plain median of the same precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from benchmarks import mfu
+from benchmarks import plain_gpt
+from benchmarks import report
+from semijax import models
+from semijax.core import engine as engine_lib
+from semijax.core import layout as layout_lib
+from semijax.core import mesh as mesh_lib
+from semijax.core import plan as plan_lib
+from semijax.core import precision as precision_lib
+from semijax.errors import ConfigError
+from semijax.train import optimizer as optimizer_lib
+
+PRECISIONS = ("float32", "bfloat16")
+PROGRAMS = ("plain", "even", "uneven")
+VOCAB = 256
+WARM_STEPS = 3
+SCHEDULE_STEPS = 1000     # the optimizer's schedule (warmup, then cosine decay): any length works
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The benchmark's flags (experiments/bench_peer.py), checked by `validate`."""
+
+  precision: tuple[str, ...] = PRECISIONS
+  attention: str = "auto"
+  d_model: int = 128
+  d_ff: int = 512
+  heads: int = 16
+  layers: int = 2
+  seq_len: int = 64
+  batch: int = 8
+  tensor: int = 1
+  uneven: float = 0.5
+  num_widths: int = 4
+  steps: int = 10
+  rounds: int = 5
+  seed: int = 0
+
+  def validate(self, device_count: int, backend: str) -> "Settings":
+    """Raises ConfigError naming the flag of the first bad value."""
+    if not self.precision or len(set(self.precision)) != len(self.precision):
+      raise ConfigError(f"--precision: give each of {PRECISIONS} at most once, got "
+                        f"{list(self.precision)}")
+    for p in self.precision:
+      if p not in PRECISIONS:
+        raise ConfigError(f"--precision: {p!r} is not one of {PRECISIONS}")
+    if self.attention not in precision_lib.ATTENTION:
+      raise ConfigError(f"--attention: {self.attention!r} is not one of "
+                        f"{precision_lib.ATTENTION}")
+    if self.attention == "cudnn" and (backend != "gpu" or "float32" in self.precision):
+      raise ConfigError(f"--attention: 'cudnn' needs a CUDA GPU and --precision=bfloat16 only "
+                        f"(backend {backend!r}, precision {list(self.precision)}); use 'auto'")
+    for name in ("d_model", "d_ff", "heads", "layers", "seq_len", "batch", "tensor", "steps",
+                 "rounds"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"--{name}: must be >= 1, got {getattr(self, name)}")
+    if self.d_model % self.heads:
+      raise ConfigError(f"--heads: {self.heads} heads do not divide --d_model={self.d_model}")
+    if self.tensor > device_count:
+      raise ConfigError(f"--tensor: {self.tensor} devices, but only {device_count} are "
+                        "available")
+    if min(self.heads, self.d_ff) < self.tensor:
+      raise ConfigError(f"--tensor: {self.tensor} devices cannot each own a head and an MLP "
+                        f"unit of --heads={self.heads}, --d_ff={self.d_ff}")
+    if self.batch % self.tensor:
+      raise ConfigError(f"--batch: {self.batch} does not split over the plain program's "
+                        f"{self.tensor} devices (--tensor)")
+    if not 0 < self.uneven <= 1:
+      raise ConfigError(f"--uneven: device 0's share relative to the others' must be in (0, 1], "
+                        f"got {self.uneven}")
+    if self.num_widths < 2:
+      raise ConfigError(f"--num_widths: the uneven step branches over >= 2 widths, got "
+                        f"{self.num_widths}")
+    return self
+
+
+def spec(s: Settings, precision: str):
+  """semijax's ModelSpec of the benchmark's GPT in `precision` (master weights float32)."""
+  return models.spec("gpt", dict(vocab_size=VOCAB, seq_len=s.seq_len, d_model=s.d_model,
+                                 num_heads=s.heads, d_ff=s.d_ff, num_layers=s.layers,
+                                 dtype=precision, param_dtype="float32", attention=s.attention))
+
+
+def layouts(s: Settings) -> dict:
+  """{"even": the even split, "uneven": device 0 with `s.uneven` of the others' share}, both with
+  `s.num_widths` compiled widths per kind."""
+  kw = dict(d_model=s.d_model, num_heads=s.heads, d_ff=s.d_ff, num_devices=s.tensor,
+            num_widths=s.num_widths)
+  speeds = (s.uneven,) + (1.0,) * (s.tensor - 1)
+  counts = {k: layout_lib.proportional_counts(n, speeds) for k, n in
+            (("mlp", s.d_ff), ("heads", s.heads))}
+  return {"even": layout_lib.Layout.for_model(**kw),
+          "uneven": layout_lib.Layout.for_model(**kw, **counts)}
+
+
+def plain_params(logical: dict) -> dict:
+  """semijax logical parameters (host arrays, `Engine.logical_arrays`) -> `plain_gpt`'s dict."""
+  enc = logical["encoder"]
+  blocks = [enc["blocks"][i] for i in sorted(enc["blocks"])]
+  return {"embed": logical["embed"]["embedding"], "pos": logical["pos"],
+          "head": logical["head"]["kernel"], "ln_f": dict(enc["ln_f"]),
+          "blocks": [{"ln1": dict(b["ln1"]), "ln2": dict(b["ln2"]), "attn": dict(b["attn"]),
+                      "mlp": dict(b["mlp"])} for b in blocks]}
+
+
+def batch(s: Settings) -> dict:
+  """A fixed batch of random bytes: {"inputs", "targets": int32 [batch, seq_len]} (host)."""
+  tokens = np.random.default_rng(s.seed).integers(0, VOCAB, (s.batch, s.seq_len + 1))
+  return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+
+
+class Program:
+  """A training step that owns its state: each call runs one step and returns its loss."""
+
+  def __init__(self, step, state):
+    self._step, self._state = step, state
+
+  def __call__(self) -> jax.Array:
+    self._state, loss = self._step(self._state)
+    return loss
+
+
+def semijax_programs(s: Settings, precision: str, host_batch: dict):
+  """({"even": Program, "uneven": Program}, the engine) for `precision`; both warmed up."""
+  model_fn, loss_terms = models.build(spec(s, precision))
+  tx = optimizer_lib.make(optimizer_lib.OptimizerSpec(), SCHEDULE_STEPS)
+  engine = engine_lib.Engine(model_fn, loss_terms, mesh_lib.make_mesh(1, s.tensor), tx)
+  sharded = engine.shard_batch(host_batch)
+  out = {}
+  for name, lay in layouts(s).items():
+    widths = plan_lib.uniform_widths(lay) if name == "even" else None
+    plan = engine.plan(lay, widths=widths)
+    state = engine.init(s.seed, lay)
+    engine.exercise(state, sharded, plan)       # every branch's first run, untimed
+
+    def step(state, plan=plan):
+      state, metrics = engine.train_step(state, sharded, plan)
+      return state, metrics["loss"]
+    out[name] = Program(step, state)
+  return out, engine
+
+
+def plain_program(s: Settings, precision: str, engine, host_batch: dict) -> Program:
+  """The plain-JAX step for `precision` on the engine's devices, from the engine's initial
+  parameters (the same seed)."""
+  devices = engine.mesh.devices.reshape(-1)
+  mesh = jax.sharding.Mesh(devices, ("batch",))
+  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
+  logical = engine.logical_arrays(engine.init_logical(s.seed))
+  params = jax.device_put(plain_params(logical.params), replicated)
+  tx = optimizer_lib.make(optimizer_lib.OptimizerSpec(), SCHEDULE_STEPS)
+  opt_state = jax.device_put(tx.init(params), replicated)
+  data = jax.device_put(host_batch, split)
+  impl = spec(s, precision).precision.attention_impl(s.d_model // s.heads)
+  fn = jax.jit(lambda p, o, b: plain_gpt.train_step(
+      p, o, b, tx=tx, num_heads=s.heads, dtype=jnp.dtype(precision), implementation=impl),
+      donate_argnums=(0, 1), out_shardings=replicated)
+
+  def step(state):
+    p, o, loss = fn(*state, data)
+    return (p, o), loss
+  return Program(step, (params, opt_state))
+
+
+def time_round(program: Program, steps: int) -> list[float]:
+  """Seconds of each of `steps` steps, each synced on its loss, after one untimed step."""
+  jax.block_until_ready(program())
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    jax.block_until_ready(program())
+    times.append(time.perf_counter() - t)
+  return times
+
+
+def run(s: Settings) -> dict:
+  """Builds, warms up and times every (precision, program) cell; returns the JSON payload."""
+  host_batch = batch(s)
+  cells, first_loss, layout_json = {}, {}, {}
+  for precision in s.precision:
+    semi, engine = semijax_programs(s, precision, host_batch)
+    programs = {"plain": plain_program(s, precision, engine, host_batch), **semi}
+    for name in PROGRAMS:
+      first_loss[(precision, name)] = float(programs[name]())
+      for _ in range(WARM_STEPS - 1):
+        jax.block_until_ready(programs[name]())
+      cells[(precision, name)] = programs[name]
+  for name, lay in layouts(s).items():     # the widths each step compiles
+    widths = plan_lib.uniform_widths(lay) if name == "even" else None
+    layout_json[name] = {k: {"counts": list(u.counts), "widths": list((widths or {}).get(
+        k, u.widths))} for k, u in lay.kinds().items()}
+  round_ms = {key: [] for key in cells}
+  for _ in range(s.rounds):
+    for key, program in cells.items():
+      round_ms[key].append(1e3 * float(np.median(time_round(program, s.steps))))
+  flops = mfu.step_flops(spec(s, "float32"), {"mlp": s.d_ff, "heads": s.heads},
+                         s.batch * s.seq_len, VOCAB)
+  out_cells = []
+  for (precision, name), ms in round_ms.items():
+    median = float(np.median(ms))
+    out_cells.append({
+        "precision": precision, "program": name, "round_ms": ms, "median_ms": median,
+        "min_ms": min(ms), "max_ms": max(ms), "tflops": flops / (median * 1e-3) / 1e12,
+        "first_loss": first_loss[(precision, name)],
+        "attention": spec(s, precision).precision.attention_impl(s.d_model // s.heads)})
+  median = {(c["precision"], c["program"]): c["median_ms"] for c in out_cells}
+  ratios = [{"precision": p, "even_over_plain": median[(p, "even")] / median[(p, "plain")],
+             "uneven_over_plain": median[(p, "uneven")] / median[(p, "plain")]}
+            for p in s.precision]
+  device = jax.devices()[0]
+  return {"settings": dataclasses.asdict(s), "backend": jax.default_backend(),
+          "device": device.device_kind, "devices": s.tensor, "jax": jax.__version__,
+          "model_flops": flops, "layouts": layout_json, "cells": out_cells, "ratios": ratios}
+
+
+PROGRAM_NAMES = {"plain": "plain JAX", "even": "semijax even", "uneven": "semijax uneven"}
+
+
+def table(payload: dict) -> str:
+  """The markdown table of a payload of `run`."""
+  median = {(c["precision"], c["program"]): c["median_ms"] for c in payload["cells"]}
+  rows = [[c["precision"], c["attention"], PROGRAM_NAMES[c["program"]], c["median_ms"],
+           f"{c['min_ms']:.3g}-{c['max_ms']:.3g}", c["tflops"],
+           f"{c['median_ms'] / median[(c['precision'], 'plain')]:.2f}"]
+          for c in payload["cells"]]
+  return report.markdown_table(["precision", "attention", "program", "ms/step (median)",
+                                "min-max of rounds", "model TFLOP/s", "x plain"], rows)
