@@ -1,0 +1,140 @@
+"""The peer benchmark: the plain-JAX GPT is semijax's model, its programs train alike, its flags
+are checked, and a smoke run of experiments/bench_peer.py writes every cell."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import peer
+from benchmarks import plain_gpt
+from semijax import models
+from semijax.core import engine as engine_lib
+from semijax.core import mesh as mesh_lib
+from semijax.train import optimizer as optimizer_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = peer.Settings(d_model=32, d_ff=64, heads=8, layers=2, seq_len=16, batch=8, tensor=4,
+                     uneven=0.5, num_widths=3, steps=2, rounds=2)
+
+
+def semijax_loss(s, precision, layout_name):
+  """(semijax's mean loss of `peer.batch(s)` in `layout_name`, the logical host params)."""
+  model_fn, loss_terms = models.build(peer.spec(s, precision))
+  tx = optimizer_lib.make(optimizer_lib.OptimizerSpec(), 10)
+  engine = engine_lib.Engine(model_fn, loss_terms, mesh_lib.make_mesh(1, s.tensor), tx)
+  lay = peer.layouts(s)[layout_name]
+  state = engine.init(s.seed, lay)
+  loss, _ = jax.jit(engine.loss)(state.params, engine.shard_batch(peer.batch(s)),
+                                 engine.plan(lay))
+  return float(loss), engine.logical_arrays(engine.init_logical(s.seed)).params
+
+
+@pytest.mark.parametrize("precision,rtol", [("float32", 2e-6), ("bfloat16", 1e-3)])
+@pytest.mark.parametrize("layout_name", ["even", "uneven"])
+def test_plain_gpt_computes_semijax_loss_from_the_same_parameters(precision, rtol, layout_name):
+  want, logical = semijax_loss(TINY, precision, layout_name)
+  got = plain_gpt.loss(peer.plain_params(logical), peer.batch(TINY), num_heads=TINY.heads,
+                       dtype=jnp.dtype(precision))
+  assert float(got) == pytest.approx(want, rel=rtol)
+  # The loss depends on the parameters: a wrong conversion (heads, a missing bias) shows.
+  moved = peer.plain_params(logical)
+  moved["blocks"][1]["attn"]["bq"] = moved["blocks"][1]["attn"]["bq"] + 1.0
+  moved["blocks"][0]["mlp"]["b1"] = moved["blocks"][0]["mlp"]["b1"] + 1.0
+  assert abs(float(plain_gpt.loss(moved, peer.batch(TINY), num_heads=TINY.heads)) - want) > 1e-3
+
+
+def test_plain_gpt_runs_its_gemms_in_the_compute_dtype_and_returns_float32_logits():
+  logical = semijax_loss(TINY, "float32", "even")[1]
+  tokens = peer.batch(TINY)["inputs"]
+  fn = lambda p: plain_gpt.logits(p, tokens, num_heads=TINY.heads, dtype=jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(fn)(peer.plain_params(logical))
+  dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  # Per block: q, k, v, out, two MLP GEMMs, and the scores and values of attention; the head.
+  assert len(dots) == 8 * TINY.layers + 1
+  assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+  assert jax.eval_shape(fn, peer.plain_params(logical)).dtype == jnp.float32
+
+
+def test_the_three_programs_train_alike_in_float32():
+  # Two optimizer steps after the first (the schedule's first rate is 0): the losses follow the
+  # same trajectory, so gradients, clip and AdamW agree, on 4 tensor devices and a split batch.
+  semi, engine = peer.semijax_programs(TINY, "float32", peer.batch(TINY))
+  programs = {"plain": peer.plain_program(TINY, "float32", engine, peer.batch(TINY)), **semi}
+  losses = {k: [float(p()) for _ in range(4)] for k, p in programs.items()}
+  plain = losses.pop("plain")
+  assert plain[3] < plain[0] - 1e-4                      # it trains
+  for name, got in losses.items():
+    np.testing.assert_allclose(got, plain, rtol=1e-5, err_msg=name)
+
+
+def test_layouts_uneven_gives_device_0_the_smaller_share_and_branches_on_one_device():
+  lay = peer.layouts(TINY)
+  assert lay["even"].mlp.counts == (16,) * 4 and lay["even"].heads.counts == (2,) * 4
+  for u in lay["uneven"].kinds().values():
+    assert u.counts[0] < min(u.counts[1:]) and sum(u.counts) == u.num_units
+  one = peer.layouts(peer.Settings(d_ff=64, heads=8, d_model=32, tensor=1, num_widths=3))
+  assert one["uneven"].mlp.counts == (64,) and len(one["uneven"].mlp.widths) == 3
+
+
+@pytest.mark.parametrize("change,flag", [
+    (dict(precision=("float16",)), "--precision"),
+    (dict(precision=("float32", "float32")), "--precision"),
+    (dict(attention="flash"), "--attention"),
+    (dict(attention="cudnn"), "--attention"),            # on a CPU
+    (dict(heads=5), "--heads"),
+    (dict(tensor=16), "--tensor"),
+    (dict(tensor=8, heads=4, d_model=32), "--tensor"),
+    (dict(tensor=3, batch=8), "--batch"),
+    (dict(uneven=0.0), "--uneven"),
+    (dict(num_widths=1), "--num_widths"),
+    (dict(steps=0), "--steps"),
+])
+def test_bad_settings_name_their_flag(change, flag):
+  s = dataclasses.replace(peer.Settings(), **change)
+  with pytest.raises(peer.ConfigError, match=f"^{flag}: "):
+    s.validate(device_count=8, backend="cpu")
+
+
+@pytest.mark.slow
+def test_bench_peer_smoke_run_on_8_cpu_devices(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_peer.py"),
+                  "--precision=float32", "--precision=bfloat16", "--d_model=32", "--d_ff=64",
+                  "--heads=8", "--layers=1", "--seq_len=16", "--batch=8", "--tensor=8",
+                  "--steps=2", "--rounds=2", f"--out_dir={tmp_path}"],
+                 check=True, env=env, cwd=ROOT, timeout=300, capture_output=True)
+  with open(tmp_path / "bench_peer.json") as f:
+    out = json.load(f)
+  cells = {(c["precision"], c["program"]): c for c in out["cells"]}
+  assert set(cells) == {(p, k) for p in peer.PRECISIONS for k in peer.PROGRAMS}
+  for c in cells.values():
+    assert len(c["round_ms"]) == 2 and 0 < c["min_ms"] <= c["median_ms"] <= c["max_ms"]
+    assert c["tflops"] == pytest.approx(out["model_flops"] / c["median_ms"] / 1e9)
+  for r in out["ratios"]:
+    p = r["precision"]
+    assert r["even_over_plain"] == pytest.approx(
+        cells[(p, "even")]["median_ms"] / cells[(p, "plain")]["median_ms"])
+    assert r["uneven_over_plain"] == pytest.approx(
+        cells[(p, "uneven")]["median_ms"] / cells[(p, "plain")]["median_ms"])
+  first = [cells[("float32", k)]["first_loss"] for k in peer.PROGRAMS]
+  assert first == pytest.approx([first[0]] * 3, rel=1e-5)
+  assert out["layouts"]["uneven"]["mlp"]["counts"][0] < out["layouts"]["uneven"]["mlp"][
+      "counts"][1]
+  assert (tmp_path / "bench_peer.md").read_text().startswith("| precision |")
+
+
+def test_bad_flag_is_one_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_peer.py"),
+                         "--precision=float32,float8", f"--out_dir={tmp_path}"],
+                        env=env, cwd=ROOT, timeout=120, capture_output=True, text=True)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines() == [
+      "--precision: 'float8' is not one of ('float32', 'bfloat16')"]
