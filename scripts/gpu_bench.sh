@@ -1,36 +1,104 @@
 #!/usr/bin/env bash
-# On one GPU: the branched step and a training step's model-FLOPs utilization at the bucket widths
-# of the straggler benchmark's model (and of gpt_tiny's GPU size), as JSON + markdown under
-# results/gpu/ (or $1). Needs JAX with CUDA in ./.venv (pip install -U "jax[cuda12]"); the test
-# suite and the other benchmarks never need a GPU.
+# On one GPU: semijax's training step against the same GPT written plainly in JAX (GPT-2 small,
+# float32 and bfloat16, bench_peer.py), the branched step (bench_widths.py) and a step's
+# model-FLOPs utilization at the bucket widths (bench_mfu.py), as JSON + markdown under
+# results/gpu/ (or $1), each part with a timeout; a short table of the parts last.
+#
+# Python: the `python3` on PATH when it already has JAX with the wanted backend and semijax's
+# packages (what a GPU machine without network access has; wheels in ./.whl/ of packages it lacks
+# are installed into $SEMIJAX_BENCH_SITE, default /tmp/semijax-site, with pip --no-index), else
+# ./.venv, built by scripts/_venv.sh (needs PyPI; add JAX with CUDA to it yourself:
+# .venv/bin/python -m pip install -U "jax[cuda12]"). The test suite never needs a GPU.
 #
 #   scripts/gpu_bench.sh [OUT_DIR]
 #   SEMIJAX_BENCH_PLATFORM=cpu SEMIJAX_BENCH_TINY=1 scripts/gpu_bench.sh /tmp/smoke  # CPU smoke
-source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
+#   SEMIJAX_BENCH_PARTS="peer" SEMIJAX_BENCH_TIMEOUT=300 scripts/gpu_bench.sh        # one part
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-results/gpu}"
 PLATFORM="${SEMIJAX_BENCH_PLATFORM:-cuda}"
+PARTS="${SEMIJAX_BENCH_PARTS:-peer widths mfu}"
+SITE="${SEMIJAX_BENCH_SITE:-/tmp/semijax-site}"
 export JAX_PLATFORMS="$PLATFORM"
-BACKEND="$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null || true)"
-if [[ "$PLATFORM" != cpu && "$BACKEND" != gpu ]]; then
-  echo "gpu_bench: no GPU backend in $VENV (JAX_PLATFORMS=$PLATFORM gave '${BACKEND:-an error}');" \
-       "install JAX with CUDA there: $PY -m pip install -U 'jax[cuda12]'" >&2
-  exit 2
+WANT="gpu"
+[[ "$PLATFORM" == cpu ]] && WANT="cpu"
+cd "$ROOT"
+
+backend_of() {    # the JAX backend python $1 gets, or nothing
+  "$1" -c 'import jax; print(jax.default_backend())' 2>/dev/null || true
+}
+has_packages() {  # python $1 imports what semijax needs
+  "$1" -c 'import jax, flax, optax, orbax.checkpoint, absl, ml_collections, tensorboardX, scipy' \
+      >/dev/null 2>&1
+}
+
+PY="$(command -v python3 || true)"
+if [[ -n "$PY" && "$(backend_of "$PY")" == "$WANT" ]] && ! has_packages "$PY"; then
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  if ! has_packages "$PY" && compgen -G ".whl/*.whl" >/dev/null; then
+    echo "gpu_bench: installing .whl/*.whl into $SITE for $PY" >&2
+    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade \
+        --target "$SITE" .whl/*.whl
+  fi
 fi
+if [[ -n "$PY" && "$(backend_of "$PY")" == "$WANT" ]] && has_packages "$PY"; then
+  echo "gpu_bench: using $PY (JAX backend $WANT), no virtualenv" >&2
+else
+  source "$ROOT/scripts/_venv.sh"        # sets PY to ./.venv/bin/python
+  BACKEND="$(backend_of "$PY")"
+  if [[ "$BACKEND" != "$WANT" ]]; then
+    echo "gpu_bench: no $WANT backend in python3 or $VENV (JAX_PLATFORMS=$PLATFORM gave" \
+         "'${BACKEND:-an error}'); install JAX with CUDA: $PY -m pip install -U 'jax[cuda12]'" >&2
+    exit 2
+  fi
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
-if [[ -n "${SEMIJAX_BENCH_TINY:-}" ]]; then      # a smoke run of every step, in seconds
-  "$PY" experiments/bench_widths.py --d_model=64 --heads=4 --d_ff=128 --seq_len=16 --batch=2 \
-      --num_widths=3 --repeats=2 --out_dir="$OUT/bench_widths_tiny"
-  "$PY" experiments/bench_mfu.py --model=tiny --num_widths=3 --steps=2 --out_dir="$OUT/mfu_tiny"
-  exit 0
+
+STATUS=()
+FAILED=0
+part() {          # part NAME SECONDS SCRIPT FLAGS...: runs one benchmark into $OUT/NAME
+  local name=$1 limit=${SEMIJAX_BENCH_TIMEOUT:-$2} script=$3 start=$SECONDS rc=0
+  shift 3
+  echo "gpu_bench: $name (at most ${limit}s)" >&2
+  timeout "$limit" "$PY" "$script" "$@" --out_dir="$OUT/$name" 2>&1 | tee "$OUT/$name.log" \
+      || rc=${PIPESTATUS[0]}
+  local what="ok"
+  if [[ $rc == 124 ]]; then what="timed out"; elif [[ $rc != 0 ]]; then what="exit $rc"; fi
+  if [[ $rc != 0 ]]; then FAILED=1; fi
+  STATUS+=("| $name | $what | $((SECONDS - start)) | $OUT/$name/ |")
+}
+wants() { [[ " $PARTS " == *" $1 "* ]]; }
+
+if [[ -n "${SEMIJAX_BENCH_TINY:-}" ]]; then      # a smoke run of every part, in seconds
+  wants peer && part peer_tiny 300 experiments/bench_peer.py --d_model=32 --d_ff=64 --heads=4 \
+      --layers=1 --seq_len=16 --batch=2 --steps=2 --rounds=2
+  wants widths && part widths_tiny 300 experiments/bench_widths.py --d_model=64 --heads=4 \
+      --d_ff=128 --seq_len=16 --batch=2 --num_widths=3 --repeats=2
+  wants mfu && part mfu_tiny 300 experiments/bench_mfu.py --model=tiny --num_widths=3 --steps=2
+else
+  # GPT-2 small (byte vocabulary) on one device: plain JAX, semijax even, semijax branched.
+  wants peer && part peer_gpt2_small 480 experiments/bench_peer.py --d_model=768 --d_ff=3072 \
+      --heads=12 --layers=12 --seq_len=1024 --batch=8 --tensor=1 --precision=float32,bfloat16 \
+      --attention=auto --steps=20 --rounds=5
+  # The straggler benchmark's model (d_model 256, d_ff 1024, 16 heads, 64 tokens x 16), and
+  # gpt_tiny's GPU size (d_model 512, d_ff 2048, 6 layers, 256 tokens x 64), at 6 widths.
+  wants widths && part widths_bench_model 300 experiments/bench_widths.py --d_model=256 \
+      --heads=16 --d_ff=1024 --seq_len=64 --batch=16 --num_widths=6 --repeats=50
+  wants mfu && part mfu_bench_model 300 experiments/bench_mfu.py --model=bench --num_widths=6 \
+      --steps=50
+  wants widths && part widths_gpt_tiny 300 experiments/bench_widths.py --d_model=512 --heads=16 \
+      --d_ff=2048 --seq_len=256 --batch=64 --num_widths=6 --repeats=50
+  wants mfu && part mfu_gpt_tiny 300 experiments/bench_mfu.py --model=gpt_tiny --num_widths=6 \
+      --steps=50
 fi
-# The straggler benchmark's model (d_model 256, d_ff 1024, 16 heads, 64 tokens x 16) at 6 widths.
-"$PY" experiments/bench_widths.py --d_model=256 --heads=16 --d_ff=1024 --seq_len=64 --batch=16 \
-    --num_widths=6 --repeats=50 --out_dir="$OUT/bench_widths_bench_model"
-"$PY" experiments/bench_mfu.py --model=bench --num_widths=6 --steps=50 \
-    --out_dir="$OUT/mfu_bench_model"
-# gpt_tiny's GPU size (d_model 512, d_ff 2048, 6 layers, 256 tokens x 64): big enough to load a GPU.
-"$PY" experiments/bench_widths.py --d_model=512 --heads=16 --d_ff=2048 --seq_len=256 --batch=64 \
-    --num_widths=6 --repeats=50 --out_dir="$OUT/bench_widths_gpt_tiny"
-"$PY" experiments/bench_mfu.py --model=gpt_tiny --num_widths=6 --steps=50 \
-    --out_dir="$OUT/mfu_gpt_tiny"
-echo "gpu_bench: wrote $OUT/*/bench_widths.{json,md} and $OUT/*/bench_mfu.{json,md}"
+
+{
+  for md in "$OUT"/peer_*/bench_peer.md; do
+    if [[ -f "$md" ]]; then printf '%s\n\n%s\n' "$md" "$(cat "$md")"; fi
+  done
+  echo "| part | result | seconds | output |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${STATUS[@]}"
+} | tee "$OUT/summary.md"
+exit "$FAILED"
