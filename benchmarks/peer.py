@@ -152,7 +152,8 @@ class Program:
 
 
 def semijax_programs(s: Settings, precision: str, host_batch: dict):
-  """({"even": Program, "uneven": Program}, the engine) for `precision`; both warmed up."""
+  """({"even": Program, "uneven": Program}, the engine) for `precision`; every branch of the
+  uneven step has run once (`Engine.exercise`)."""
   model_fn, loss_terms = models.build(spec(s, precision))
   tx = optimizer_lib.make(optimizer_lib.OptimizerSpec(), SCHEDULE_STEPS)
   engine = engine_lib.Engine(model_fn, loss_terms, mesh_lib.make_mesh(1, s.tensor), tx)
