@@ -20,7 +20,7 @@ def block_step(mesh, block, x):
   Args:
     mesh: a (data=1, tensor=1) mesh.
     block: a `layers.Block`.
-    x: float32 [batch, seq, d_model] input (global = local).
+    x: [batch, seq, d_model] input in the block's compute dtype (global = local).
 
   Returns:
     (fn(params, x, plan) -> (loss, grads), params).
@@ -30,7 +30,7 @@ def block_step(mesh, block, x):
   params = jax.device_put(nnx.to_pure_dict(state))
   def loss(p, x, plan):
     def local(p, x, plan):
-      return jnp.sum(nnx.merge(graphdef, p)(x, plan.layer(0)) ** 2)
+      return jnp.sum(nnx.merge(graphdef, p)(x, plan.layer(0)).astype(jnp.float32) ** 2)
     in_specs = (sharding.specs(axes), P(), plan_lib.plan_specs(plan))
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())(p, x, plan)
   return jax.jit(jax.value_and_grad(loss)), params

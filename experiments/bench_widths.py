@@ -32,6 +32,7 @@ from semijax.core import kernels  # noqa: E402
 from semijax.core import layout as layout_lib  # noqa: E402
 from semijax.core import mesh as mesh_lib  # noqa: E402
 from semijax.core import plan as plan_lib  # noqa: E402
+from semijax.core import precision as precision_lib  # noqa: E402
 from semijax.models import layers  # noqa: E402
 from semijax.runtime import cli  # noqa: E402
 
@@ -44,6 +45,8 @@ _BATCH = flags.DEFINE_integer("batch", 8, "Batch size.")
 _WIDTHS = flags.DEFINE_integer("num_widths", 4, "Compiled bucket widths per kind.")
 _REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per program (median reported).")
 _MODES = flags.DEFINE_list("modes", list(kernels.BRANCH_MODES), "Branch modes to time.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", list(precision_lib.DTYPES),
+                           "Compute dtype of the block (weights stay float32).")
 
 
 def main(argv):
@@ -52,10 +55,11 @@ def main(argv):
   if bad:
     raise app.UsageError(f"--modes: unknown {bad}; choose from {list(kernels.BRANCH_MODES)}")
   mesh = mesh_lib.make_mesh(1, 1)
-  block = layers.Block(_D.value, _HEADS.value, _FF.value, causal=True, rngs=nnx.Rngs(0))
+  block = layers.Block(_D.value, _HEADS.value, _FF.value, causal=True,
+                       precision=precision_lib.Precision(_DTYPE.value), rngs=nnx.Rngs(0))
   lay = layout_lib.Layout.for_model(d_model=_D.value, num_heads=_HEADS.value, d_ff=_FF.value,
                                     num_devices=1, num_widths=_WIDTHS.value)
-  x = jax.random.normal(jax.random.key(1), (_BATCH.value, _SEQ.value, _D.value))
+  x = jax.random.normal(jax.random.key(1), (_BATCH.value, _SEQ.value, _D.value), _DTYPE.value)
   median_ms = lambda *a: blockbench.median_ms(*a, repeats=_REPEATS.value)
   at = []      # (mlp width, heads width, layout with those actives)
   for i, w_mlp in enumerate(lay.mlp.widths):
@@ -86,7 +90,7 @@ def main(argv):
       rows)
   payload = {"config": {k: f.value for k, f in [
       ("d_model", _D), ("heads", _HEADS), ("d_ff", _FF), ("seq_len", _SEQ), ("batch", _BATCH),
-      ("repeats", _REPEATS), ("num_widths", _WIDTHS)]}, "backend": jax.default_backend(),
+      ("repeats", _REPEATS), ("num_widths", _WIDTHS), ("dtype", _DTYPE)]}, "backend": jax.default_backend(),
              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
              "widths": results, "plain_full_ms": full_ms}
   paths = report.write(_OUT.value, "bench_widths", payload, table)

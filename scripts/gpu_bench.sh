@@ -82,13 +82,14 @@ else
       --heads=12 --layers=12 --seq_len=1024 --batch=8 --tensor=1 --precision=float32,bfloat16 \
       --attention=auto --steps=20 --rounds=5
   # The straggler benchmark's model (d_model 256, d_ff 1024, 16 heads, 64 tokens x 16), and
-  # gpt_tiny's GPU size (d_model 512, d_ff 2048, 6 layers, 256 tokens x 64), at 6 widths.
+  # gpt_tiny's GPU size (d_model 512, d_ff 2048, 6 layers, 256 tokens x 64, bfloat16), at 6
+  # widths.
   wants widths && part widths_bench_model 300 experiments/bench_widths.py --d_model=256 \
       --heads=16 --d_ff=1024 --seq_len=64 --batch=16 --num_widths=6 --repeats=50
   wants mfu && part mfu_bench_model 300 experiments/bench_mfu.py --model=bench --num_widths=6 \
       --steps=50
   wants widths && part widths_gpt_tiny 300 experiments/bench_widths.py --d_model=512 --heads=16 \
-      --d_ff=2048 --seq_len=256 --batch=64 --num_widths=6 --repeats=50
+      --d_ff=2048 --seq_len=256 --batch=64 --num_widths=6 --repeats=50 --dtype=bfloat16
   wants mfu && part mfu_gpt_tiny 300 experiments/bench_mfu.py --model=gpt_tiny --num_widths=6 \
       --steps=50
 fi
