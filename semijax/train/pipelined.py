@@ -19,7 +19,7 @@ pipelines are the replicas of `replica_loop`, with `FixedPlan` in the balancer's
 pipeline gets its own gradient (`PipelineEngine.replica_grads_and_terms`) and `semijax.sync`
 combines them.
 
-Order of work as in `loop.train_and_evaluate`: the plan and every check before compiling; the
+Order of work as in `trainer.Trainer`: the plan and every check before compiling; the
 latest checkpoint of workdir resumes the run (only onto the same number of stages: the
 logical form stacks layers per stage); warm-up compiles the train and eval programs; then the
 steps.

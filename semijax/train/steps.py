@@ -1,5 +1,6 @@
 """What every training loop does around a step: stop on a non-finite loss, the step's scalars,
-the metric record and console line, and the run's summary (`loop`, `pipelined`)."""
+the metric record and console line, and the run's summary (`trainer`, `pipelined`, the replica
+loops)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from semijax.errors import ConfigError
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 from semijax.train import optimizer as optimizer_lib
+from semijax.train import tensor
 
 
 def expected_rate(step, peak, warmup, length):
@@ -122,5 +123,5 @@ def test_runs_on_one_schedule_share_an_engine_and_train_as_a_fresh_one(tmp_path)
   fresh = train.train_and_evaluate(run(4), str(tmp_path / "fresh"))
   np.testing.assert_array_equal(shared["losses"], fresh["losses"])
   np.testing.assert_array_equal(shared["val/loss"], fresh["val/loss"])
-  train._cached_engine(config_lib.validate(run(3)), cache)     # another schedule: its own
+  tensor.cached_engine(config_lib.validate(run(3)), cache)     # another schedule: its own
   assert len(cache) == 2

@@ -1,0 +1,94 @@
+"""The interface between the training loop (`train.trainer`) and a kind of parallelism.
+
+An `Executor` holds one run's engine, its train state (padded, on the devices), its data and
+whatever the kind adds (a balancing policy, a pipeline plan, an emulation); the loop drives it:
+initialize or restore, warm up, step, evaluate, save, summarize, close. The loop owns what every
+run shares (the step count and resume point, the evaluation and checkpoint cadence, metrics,
+the NaN stop, the progress line, the summary, per-step hooks); an executor owns only how a step
+is computed. `StepResult` and `Finish` are what it hands back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol, runtime_checkable
+
+from semijax.train import checkpoint as checkpoint_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  """What one step did, as host numbers.
+
+  Attributes:
+    metrics: the step's "loss", "accuracy" and "grad_norm" (floats; the loop makes the train
+      scalars of them).
+    seconds: the step's wall time and everything the kind counts with it (a migration, an
+      emulated straggler's sleep).
+    scalars: the kind's own scalars for the step's record ("balance/...", "pipeline/...").
+    notes: console lines the step calls for (a balancing change); a step with notes is
+      recorded whatever `log_every` says.
+  """
+
+  metrics: dict
+  seconds: float
+  scalars: dict = dataclasses.field(default_factory=dict)
+  notes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+  """The kind's part of a run's summary: `keys` join the summary dict; `before_val` and
+  `after_val` are clauses of the final "done: ..." console line around its val_loss."""
+
+  keys: dict
+  before_val: str = ""
+  after_val: str = ""
+
+
+@runtime_checkable
+class Executor(Protocol):
+  """One kind of parallelism behind the training loop (tensor-parallel: `train.tensor`).
+
+  Steps are 0-based here (step k trains on global batch k); the loop counts from 1.
+  """
+
+  def init(self, seed: int) -> None:
+    """Initializes the train state from `seed` (a run with no checkpoint)."""
+
+  def restore(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> tuple[int, str]:
+    """Restores the checkpoint at `step` (its `meta` already read; the model already checked
+    against it) onto this run's layout.
+
+    Returns:
+      (the data position to continue from, what the resume line says the checkpoint was saved
+      with, e.g. "MLP units (16, 16, 16, 16)" and a dtype-change clause).
+
+    Raises:
+      ConfigError: the checkpoint was saved by a run this kind cannot continue (named field).
+    """
+
+  def warm_up(self, step: int) -> str:
+    """Compiles (and exercises) every program the steps from 0-based `step` on may run; returns
+    what the warm-up line says of it (e.g. "policy static, 2 step programs compiled")."""
+
+  def step(self, step: int) -> StepResult:
+    """Trains 0-based `step` on global batch `step` and waits for it."""
+
+  def evaluate(self) -> dict:
+    """{"val/loss", "val/accuracy"} of the current parameters over every evaluation batch."""
+
+  def save(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> None:
+    """Checkpoints the train state (and the kind's host state) as `step`; `meta` (data
+    position, model) gets the kind's own facts added (its layout, plan)."""
+
+  def summary(self, base: dict) -> Finish:
+    """The kind's part of the summary, given the loop's (`steps.summary`) `base`."""
+
+  def close(self) -> None:
+    """Releases what the executor opened (decision logs); called on every path out."""
+
+
+Hook = Callable[[int, dict], None]
+"""Called by the loop after every step with the 1-based step and the step's scalars (the
+record's, written or not)."""

@@ -1,0 +1,154 @@
+"""The training loop (`Trainer`): what every run shares, its parallelism behind an
+`executor.Executor` (tensor-parallel: `train.tensor`).
+
+Order of work, so that bad input never costs a compile or a saved checkpoint:
+  1. the entry (`loop.train_and_evaluate`) validates the whole config into a typed
+     `config.RunConfig`; the executor builds the data set (file errors surface here), the mesh,
+     model, optimizer and engine and what its kind adds (a balancer);
+  2. `Trainer(...)` restores the latest checkpoint from workdir/checkpoints if there is one
+     (the executor puts it onto the layout this run starts in, which may differ from the one it
+     was saved with), else initializes from the seed; then opens the metrics;
+  3. `Trainer.train` warms up (the executor compiles and exercises every program its steps may
+     use), then trains.
+
+Resume order: the workdir's own latest checkpoint always wins; otherwise start from scratch.
+Each step k (1-based; it trains on global batch k - 1) is the executor's, then: the NaN stop
+(the last good checkpoint stays intact); evaluation every eval_every steps and at the last; a
+record (workdir/metrics.jsonl and TensorBoard on process 0, and a progress line) every
+log_every steps, at every evaluation, at the last step and whenever the executor has something
+to say (a balancing change); a checkpoint every checkpoint_every steps and at the last; then
+the hooks (`executor.Hook`). The console (process 0) shows where the run starts, the warm-up,
+the executor's notes, progress lines and a final summary; library chatter goes to the absl log.
+The checkpoint manager and the metric writer are closed on every path out (the caller's
+`contextlib.ExitStack`), a NaN loss and an exception included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Callable, Sequence
+
+from semijax.errors import ConfigError
+from semijax.train import checkpoint as checkpoint_lib
+from semijax.train import config as config_lib
+from semijax.train import executor as executor_lib
+from semijax.train import metrics as metrics_lib
+from semijax.train import steps as steps_lib
+
+say = metrics_lib.say
+
+
+class Trainer:
+  """One run's loop over the steps of an executor, from its resume point to `run.steps`.
+
+  Args:
+    run: the validated run.
+    workdir: where checkpoints (workdir/checkpoints) and metrics go.
+    executor: the run's parallelism (built, not yet initialized).
+    stack: closes the checkpoint manager and the metric writer when the caller is done.
+    hooks: called after every step (`executor.Hook`).
+
+  Attributes:
+    ckpt, writer, progress: the run's checkpointer, metric writer and progress line; start:
+    the step it resumes after (0: from the seed); last_saved: the step of its newest checkpoint
+    (None before the first).
+  """
+
+  def __init__(self, run: config_lib.RunConfig, workdir: str, executor: executor_lib.Executor,
+               stack: contextlib.ExitStack, hooks: Sequence[executor_lib.Hook] = ()):
+    self.run, self.executor, self.hooks = run, executor, tuple(hooks)
+    self.ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                            keep=run.keep_checkpoints)
+    stack.callback(self.ckpt.close)
+    self.start = self._restore_or_init()
+    self.writer = stack.enter_context(metrics_lib.MetricWriter(workdir, resume_step=self.start))
+    self.writer.write_config(run.source)
+    self.progress = metrics_lib.Progress(run.steps, unit=run.model.unit, start_step=self.start)
+    self.last_saved = self.start or None
+
+  def _restore_or_init(self) -> int:
+    """The step the run continues after: the latest checkpoint's data position, or 0 with the
+    executor initialized from the seed.
+
+    Raises:
+      ConfigError: the checkpoint holds another model, or one the executor cannot continue.
+    """
+    run, ckpt = self.run, self.ckpt
+    step = ckpt.latest_step()
+    if step is None:
+      self.executor.init(run.seed)
+      return 0
+    meta = ckpt.read_meta(step)
+    if meta.get("model") != run.model.to_dict():
+      raise ConfigError(
+          f"config.model: the checkpoint at step {step} in {ckpt.directory} was trained with "
+          f"model {meta.get('model')}, not {run.model.to_dict()}; use another --workdir")
+    start, saved_with = self.executor.restore(ckpt, step, meta)
+    say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with {saved_with}), "
+        f"continuing to step {run.steps}")
+    return start
+
+  def train(self, after_warmup: Callable[[], None] | None = None) -> dict:
+    """Warms up, runs steps start + 1 .. run.steps and returns the summary (`steps.summary`'s
+    keys and the executor's).
+
+    Args:
+      after_warmup: called once everything is compiled, right before the first step.
+
+    Raises:
+      FloatingPointError: a NaN or infinite loss.
+    """
+    run, executor = self.run, self.executor
+    learning_rates = steps_lib.learning_rates(run)
+    t0 = time.perf_counter()
+    compiled = executor.warm_up(self.start)
+    steps_lib.start_together("semijax warm-up")
+    say(f"warm-up: {compiled}, {time.perf_counter() - t0:.1f} s")
+    if after_warmup is not None:
+      after_warmup()
+    step_times, losses, val = [], [], {}
+    for step in range(self.start + 1, run.steps + 1):
+      result = executor.step(step - 1)
+      dt, loss = result.seconds, result.metrics["loss"]
+      steps_lib.stop_if_not_finite(loss, step, self.writer, self.ckpt.directory, self.last_saved)
+      step_times.append(dt)
+      losses.append(loss)
+      scalars = self._scalars(result, learning_rates[step - 1])
+      if step % run.eval_every == 0 or step == run.steps:
+        val = executor.evaluate()
+        scalars.update(val)
+      self._record(step, result, scalars)
+      if (run.checkpoint_every and step % run.checkpoint_every == 0) or step == run.steps:
+        executor.save(self.ckpt, step, {"data_position": step, "model": run.model.to_dict()})
+        self.last_saved = step
+      for hook in self.hooks:
+        hook(step, scalars)
+    return self._summary(step_times, losses, val)
+
+  def _scalars(self, result: executor_lib.StepResult, learning_rate: float) -> dict:
+    unit = self.run.model.unit
+    items_per_step = self.run.batch_size * self.run.model.items_per_example
+    return dict(steps_lib.scalars(result.metrics, learning_rate, result.seconds, unit,
+                                  items_per_step), **result.scalars)
+
+  def _record(self, step: int, result: executor_lib.StepResult, scalars: dict) -> None:
+    """The executor's notes, then the step's record and progress line when one is due."""
+    run = self.run
+    for note in result.notes:
+      say(note)
+    if (step % run.log_every == 0 or step == run.steps or "val/loss" in scalars
+        or result.notes):
+      steps_lib.record(self.writer, self.progress, step, result.seconds,
+                       run.batch_size * run.model.items_per_example, scalars)
+
+  def _summary(self, step_times: list, losses: list, val: dict) -> dict:
+    run, unit = self.run, self.run.model.unit
+    base = steps_lib.summary(run, self.start, step_times, losses, val)
+    finish = self.executor.summary(base)
+    summary = dict(base, **finish.keys)
+    say(f"done: {len(step_times)} steps, {summary[f'{unit}_per_s']:,.0f} {unit}/s"
+        f"{finish.before_val}, val_loss {val.get('val/loss', float('nan')):.4f}"
+        f"{finish.after_val}")
+    return summary

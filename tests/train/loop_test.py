@@ -1,0 +1,86 @@
+"""The training loop's shared behaviour, through each kind of run (`KINDS`): a run killed
+mid-step resumes to the losses of one never interrupted, with every step in metrics.jsonl once;
+a non-finite loss stops the run and keeps the last good checkpoint; the hooks see every step
+once, with the scalars recorded."""
+
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers as H
+from semijax.core import engine as engine_lib
+from semijax.train import checkpoint as checkpoint_lib
+from semijax.train import config as config_lib
+from semijax.train import loop as train
+from semijax.train import metrics
+from semijax.train import tensor
+
+# kind: (a config of 6 steps checkpointed every 3 and logged every step, the engine class whose
+# train_step runs each step).
+KINDS = {
+    "tensor": (lambda: H.tiny_gpt(steps=6, mlp=(10, 30, 4, 20)), engine_lib.Engine),
+}
+
+
+def records(workdir):
+  return metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+
+
+def nan_at(monkeypatch, cls, call):
+  """Makes `cls.train_step` report a NaN loss on its call number `call` (1-based)."""
+  original, count = cls.train_step, {"n": 0}
+
+  def patched(self, *a, **kw):
+    count["n"] += 1
+    state, m = original(self, *a, **kw)
+    return state, (dict(m, loss=jnp.float32(jnp.nan)) if count["n"] == call else m)
+  monkeypatch.setattr(cls, "train_step", patched)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_resume_after_a_kill_continues_exactly_with_every_step_once(tmp_path, monkeypatch, kind):
+  config, cls = KINDS[kind]
+  seen = []
+  reference = train.train_and_evaluate(config(), str(tmp_path / "ref"),
+                                       hooks=[lambda step, s: seen.append((step, s))])
+  assert [step for step, _ in seen] == [1, 2, 3, 4, 5, 6]
+  assert [s["train/loss"] for _, s in seen] == reference["losses"]
+  assert [r["train/loss"] for r in records(str(tmp_path / "ref"))] == reference["losses"]
+  workdir = str(tmp_path / "run")
+  H.interrupted(monkeypatch, lambda: train.train_and_evaluate(config(), workdir), 4,
+                cls=cls)                       # checkpoint at 3, killed during step 5
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
+  resumed = train.train_and_evaluate(config(), workdir)
+  assert resumed["start_step"] == 3
+  assert [r["step"] for r in records(workdir)] == [1, 2, 3, 4, 5, 6]    # step 4 not doubled
+  np.testing.assert_allclose(resumed["losses"], reference["losses"][3:], rtol=1e-6)
+  np.testing.assert_allclose([r["train/loss"] for r in records(workdir)],
+                             reference["losses"], rtol=1e-6)
+  np.testing.assert_allclose(resumed["val/loss"], reference["val/loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch,
+                                                                     kind):
+  config, cls = KINDS[kind]
+  workdir = str(tmp_path)
+  nan_at(monkeypatch, cls, 5)
+  closed = H.record_closes(monkeypatch)
+  with pytest.raises(FloatingPointError, match=r"^train/loss is nan at step 5: training "
+                     r"stopped. The last good checkpoint \(step 3\)"):
+    train.train_and_evaluate(config(), workdir)
+  assert closed.count("Checkpointer") == 1       # closed on the way out
+  assert [r["step"] for r in records(workdir)] == [1, 2, 3, 4, 5]
+  assert math.isnan(records(workdir)[-1]["train/loss"])
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    assert ckpt.all_steps() == [3]
+    run = config_lib.validate(config())
+    state, meta = ckpt.restore(tensor.build_engine(run).abstract_logical())
+  finally:
+    ckpt.close()
+  assert meta["data_position"] == 3
+  assert all(np.isfinite(np.asarray(x)).all() for x in H.jax.tree.leaves(state.params))
