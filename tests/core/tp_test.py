@@ -72,6 +72,16 @@ def test_attention_partial_heads_independent():
   np.testing.assert_allclose(three, four, atol=1e-5, rtol=1e-5)
 
 
+def attention_inputs(key, x_shape, hd, c):
+  """x [batch, seq, d] and the weights wq, bq, wk, bk, wv, bv, wo of `c` heads of `hd`
+  features, each normal over the square root of its fan-in."""
+  d = x_shape[-1]
+  shapes = [(d, c * hd), (c * hd,)] * 3 + [(c * hd, d)]
+  ks = jax.random.split(key, len(shapes) + 1)
+  x = jax.random.normal(ks[0], x_shape)
+  return x, [jax.random.normal(k, s) / np.sqrt(s[0]) for k, s in zip(ks[1:], shapes)]
+
+
 def einsum_attention(x, wq, bq, wk, bk, wv, bv, wo, heads, hd, causal):
   """The attention of the first `heads` heads, written out: einsums, a `tril` mask and a float32
   softmax (what the kernel computed before it called `jax.nn.dot_product_attention`)."""
@@ -90,13 +100,9 @@ def einsum_attention(x, wq, bq, wk, bk, wv, bv, wo, heads, hd, causal):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("width,active", [(4, 4), (4, 3), (6, 1)])
 def test_attention_partial_equals_einsum_attention_forward_and_gradients(causal, width, active):
-  d, hd, c = 16, 4, 6
-  ks = jax.random.split(jax.random.key(7), 10)
-  x = jax.random.normal(ks[0], (2, 7, d))
-  ws = [jax.random.normal(k, s) / np.sqrt(s[0]) for k, s in zip(
-      ks[1:], [(d, c * hd), (c * hd,), (d, c * hd), (c * hd,), (d, c * hd), (c * hd,),
-               (c * hd, d)])]
-  cot = jax.random.normal(ks[8], x.shape)
+  hd, c = 4, 6
+  x, ws = attention_inputs(jax.random.key(7), (2, 7, 16), hd, c)
+  cot = jax.random.normal(jax.random.key(8), x.shape)
   fn = functools.partial(kernels.attention_partial, width, head_dim=hd, causal=causal,
                          implementation="xla")
   got = lambda x, *ws: jnp.sum(fn(x, *ws, jnp.int32(active)) * cot)
@@ -115,12 +121,8 @@ def test_attention_partial_equals_einsum_attention_forward_and_gradients(causal,
 def test_attention_partial_in_bfloat16_matches_einsum_attention_of_the_rounded_inputs():
   # In bfloat16 (a float32 softmax inside), within bfloat16 steps of the written-out attention
   # of the same rounded inputs, and near the float32 result.
-  d, hd, c = 16, 8, 2
-  ks = jax.random.split(jax.random.key(9), 9)
-  x = jax.random.normal(ks[0], (1, 64, d))
-  ws = [jax.random.normal(k, s) / np.sqrt(s[0]) for k, s in zip(
-      ks[1:], [(d, c * hd), (c * hd,), (d, c * hd), (c * hd,), (d, c * hd), (c * hd,),
-               (c * hd, d)])]
+  hd, c = 8, 2
+  x, ws = attention_inputs(jax.random.key(9), (1, 64, 16), hd, c)
   bf = lambda a: a.astype(jnp.bfloat16)
   out = kernels.attention_partial(c, bf(x), *map(bf, ws), jnp.int32(c), head_dim=hd,
                                   causal=True)
