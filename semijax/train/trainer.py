@@ -51,9 +51,9 @@ class Trainer:
     hooks: called after every step (`executor.Hook`).
 
   Attributes:
-    ckpt, writer, progress: the run's checkpointer, metric writer and progress line; start:
-    the step it resumes after (0: from the seed); last_saved: the step of its newest checkpoint
-    (None before the first).
+    ckpt, writer, progress: the run's checkpointer, metric writer and progress line;
+    items_per_step: tokens or images of one global batch; start: the step it resumes after
+    (0: from the seed); last_saved: the step of its newest checkpoint (None before the first).
   """
 
   def __init__(self, run: config_lib.RunConfig, workdir: str, executor: executor_lib.Executor,
@@ -67,6 +67,7 @@ class Trainer:
     self.writer.write_config(run.source)
     self.progress = metrics_lib.Progress(run.steps, unit=run.model.unit, start_step=self.start)
     self.last_saved = self.start or None
+    self.items_per_step = run.batch_size * run.model.items_per_example
 
   def _restore_or_init(self) -> int:
     """The step the run continues after: the latest checkpoint's data position, or 0 with the
@@ -128,10 +129,8 @@ class Trainer:
     return self._summary(step_times, losses, val)
 
   def _scalars(self, result: executor_lib.StepResult, learning_rate: float) -> dict:
-    unit = self.run.model.unit
-    items_per_step = self.run.batch_size * self.run.model.items_per_example
-    return dict(steps_lib.scalars(result.metrics, learning_rate, result.seconds, unit,
-                                  items_per_step), **result.scalars)
+    return dict(steps_lib.scalars(result.metrics, learning_rate, result.seconds,
+                                  self.run.model.unit, self.items_per_step), **result.scalars)
 
   def _record(self, step: int, result: executor_lib.StepResult, scalars: dict) -> None:
     """The executor's notes, then the step's record and progress line when one is due."""
@@ -140,8 +139,8 @@ class Trainer:
       say(note)
     if (step % run.log_every == 0 or step == run.steps or "val/loss" in scalars
         or result.notes):
-      steps_lib.record(self.writer, self.progress, step, result.seconds,
-                       run.batch_size * run.model.items_per_example, scalars)
+      steps_lib.record(self.writer, self.progress, step, result.seconds, self.items_per_step,
+                       scalars)
 
   def _summary(self, step_times: list, losses: list, val: dict) -> dict:
     run, unit = self.run, self.run.model.unit
