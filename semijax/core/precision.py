@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from semijax.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# Adam's first-moment dtype (`optimizer.mu_dtype`): "" = the parameters', or one of DTYPES.
+MU_DTYPES = ("",) + DTYPES
 ATTENTION = ("xla", "cudnn", "auto")
 _HALF = ("bfloat16", "float16")
 

@@ -78,7 +78,7 @@ class StateBytes:
          mu_dtype: str = "") -> "StateBytes":
     """The bytes of a model in `precision` trained with Adam's first moment in `mu_dtype`
     ("": the parameters' dtype, as `train.optimizer.OptimizerSpec.mu_dtype`)."""
-    if mu_dtype not in ("",) + precision_lib.DTYPES:
+    if mu_dtype not in precision_lib.MU_DTYPES:
       raise ValueError(f"mu_dtype: {mu_dtype!r} is not '' or one of {precision_lib.DTYPES}")
     param = precision.param_bytes
     mu = jnp.dtype(mu_dtype).itemsize if mu_dtype else param

@@ -48,7 +48,7 @@ class Workload:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ConfigError(f"sim.workload.{name}: must be an integer >= 1, got {v!r}")
-    if self.mu_dtype not in ("",) + precision_lib.DTYPES:
+    if self.mu_dtype not in precision_lib.MU_DTYPES:
       raise ConfigError(f"sim.workload.mu_dtype: {self.mu_dtype!r} is not '' (the parameters' "
                         f"dtype) or one of {precision_lib.DTYPES}")
     if self.batch_per_replica % self.microbatches:

@@ -62,7 +62,7 @@ class OptimizerSpec:
       v = getattr(self, name)
       if not (number(v) and 0 <= v < 1):
         raise ConfigError(f"{f}.{name}: must be in [0, 1), got {v!r}")
-    if self.mu_dtype not in ("",) + precision.DTYPES:
+    if self.mu_dtype not in precision.MU_DTYPES:
       raise ConfigError(f"{f}.mu_dtype: {self.mu_dtype!r} is not '' (the parameters' dtype) or "
                         f"one of {precision.DTYPES}")
     return self
