@@ -336,22 +336,27 @@ class _Loop:
       t0 = time.perf_counter()
       state, plan = balancer.before_step(k - 1, state)
       state, u = driver.update(state, plan, self.batches, self.durations())
-      loss = u.loss if u.loss is not None else (losses[-1] if losses else float("nan"))
       if emulated:
         emulation.Emulator.sleep(u.emulated_s)
       balancer.after_step(k - 1, time.perf_counter() - t0)
       dt = time.perf_counter() - t0
-      if not math.isfinite(loss):
-        raise FloatingPointError(f"train/loss is {loss} at update {k}: training stopped; lower "
+      if u.loss is not None and not math.isfinite(u.loss):
+        raise FloatingPointError(f"train/loss is {u.loss} at update {k}: training stopped; lower "
                                  "config.optimizer.learning_rate or check the data.")
+      # An update whose round started no gradient measured no loss: it repeats the last one
+      # (an ssaw run's first round may close before any replica computed after it).
+      loss = u.loss if u.loss is not None else (losses[-1] if losses else None)
       applied += u.samples
       clock += dt
       times.append(dt)
-      losses.append(loss)
+      if loss is not None:
+        losses.append(loss)
       progress = applied / run.batch_size
-      scalars = {"train/loss": loss, "train/step_time_s": dt,
+      scalars = {"train/step_time_s": dt,
                  f"train/{unit}_per_s": u.samples * per_sample / dt, "sync/samples": applied,
                  "sync/progress": progress, **u.scalars}
+      if loss is not None:
+        scalars["train/loss"] = loss
       if u.accuracy is not None:
         scalars["train/accuracy"] = u.accuracy
       if u.evaluable and (progress >= next_eval or applied >= budget):
