@@ -41,7 +41,7 @@ from benchmarks import report
 from benchmarks import straggler as straggler_lib
 from semijax.planner import baselines
 from semijax.train import config as config_lib
-from semijax.train import data as data_lib
+from semijax.train import pipeline_setup
 from semijax.train import pipelined
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,8 +62,8 @@ def scenario_config(steps: int, eval_every: int):
 
 def make_plans(run) -> dict:
   """{strategy: (its plan with the predicted step, the seconds planning took)}."""
-  costs = pipelined.model_costs(run)
-  cluster = pipelined.cluster(run, len(run.pipeline.devices.speeds))
+  costs = pipeline_setup.model_costs(run)
+  cluster = pipeline_setup.cluster(run, len(run.pipeline.devices.speeds))
   sizes = tuple(m for m in range(1, run.batch_size + 1) if run.batch_size % m == 0)
   out = {}
   for name in STRATEGIES:
@@ -78,7 +78,7 @@ def ideal_step_s(run) -> float:
   the forward, as `schedule.stage_seconds` counts it) of the whole batch, and the same of the
   embedding and head once, spread over all devices in proportion to their speed, with no
   bubble and free links."""
-  costs = pipelined.model_costs(run)
+  costs = pipeline_setup.model_costs(run)
   tokens = run.batch_size * run.model.seq_len
   ms = costs.unit_ms(tokens)
   layers = costs.num_layers * sum(ms[k] * costs.num_units[k] for k in costs.kinds) * 1e-3
@@ -91,14 +91,14 @@ def run(out_dir: str, steps: int, eval_every: int, say=print) -> dict:
   config = scenario_config(steps, eval_every)
   run_cfg = config_lib.validate(config, jax.device_count())
   plans = make_plans(run_cfg)
-  dataset = data_lib.build(run_cfg.data, 0, 1)
   trainers, records = {}, {}
   for name in STRATEGIES:
     plan, seconds = plans[name]
-    setup = pipelined.build(run_cfg, plan)
-    trainers[name] = pipelined.Trainer(run_cfg, setup, dataset,
-                                       setup.engine.init(run_cfg.seed, setup.layout))
-    warm = trainers[name].warm_up(0)
+    trainers[name] = pipelined.Pipelined(run_cfg, pipeline_setup.build(run_cfg, plan))
+    trainers[name].init(run_cfg.seed)
+    t0 = time.perf_counter()
+    trainers[name].warm_up(0)
+    warm = time.perf_counter() - t0
     records[name] = {"plan": plan.to_dict(), "planner_s": seconds, "warm_up_s": warm,
                      "predicted_s": plan.predicted_s,
                      "emulated_s": trainers[name].emulated["step_s"], "step_times_s": [],
@@ -111,10 +111,10 @@ def run(out_dir: str, steps: int, eval_every: int, say=print) -> dict:
   for step in range(steps):
     order = list(STRATEGIES[step % len(STRATEGIES):] + STRATEGIES[:step % len(STRATEGIES)])
     for name in order:
-      m, dt = trainers[name].step(step)
-      elapsed[name] += dt
-      records[name]["step_times_s"].append(dt)
-      records[name]["losses"].append(m["loss"])
+      result = trainers[name].step(step)
+      elapsed[name] += result.seconds
+      records[name]["step_times_s"].append(result.seconds)
+      records[name]["losses"].append(result.metrics["loss"])
       if (step + 1) % eval_every == 0 or step + 1 == steps:
         val = trainers[name].evaluate()["val/loss"]
         records[name]["val"].append([step + 1, elapsed[name], val])

@@ -524,7 +524,7 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
   known = {f.name for f in dataclasses.fields(settings_lib.BalanceSettings)}
   balance = settings_lib.BalanceSettings(**{k: v for k, v in config.balance.items()
                                             if k in known}).validate(policies_lib.REGISTRY)
-  # A plan's pipelines are counted when it is made (`pipelined.for_plan` validates again).
+  # A plan's pipelines are counted when it is made (`pipeline_setup.for_plan` validates again).
   sync = _sync_settings(config, None if plan else mesh.data)
   if process_count > 1 and (set(syncs) | {sync.mode}) != {"sync"}:
     raise ConfigError(f"config.sync.mode: pipelined runs over {process_count} processes combine "

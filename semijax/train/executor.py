@@ -6,12 +6,16 @@ initialize or restore, warm up, step, evaluate, save, summarize, close. The loop
 run shares (the step count and resume point, the evaluation and checkpoint cadence, metrics,
 the NaN stop, the progress line, the summary, per-step hooks); an executor owns only how a step
 is computed. `StepResult` and `Finish` are what it hands back.
+
+A `Placement` says where a replica mode's units are for each update: the tensor-parallel
+balancer (`balance.coordinator.Balancer`) or a pipelined run's fixed plan
+(`pipelined.FixedPlan`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from semijax.train import checkpoint as checkpoint_lib
 
@@ -92,3 +96,35 @@ class Executor(Protocol):
 Hook = Callable[[int, dict], None]
 """Called by the loop after every step with the 1-based step and the step's scalars (the
 record's, written or not)."""
+
+
+@runtime_checkable
+class Placement(Protocol):
+  """Where the units of a replica mode's engine are for each update (`replica_loop`).
+
+  Attributes:
+    layout: the current layout (`core.layout.Layout`, or a pipelined `PipeLayout`).
+    emulator: the emulated slowdown, or None (then every replica's time unit is 1 s of nothing).
+    delay_s: emulated seconds of a replica's share of the current step (a float, or [R]).
+    compiles_at_warmup: the process's compile count once everything was warm (None before).
+  """
+
+  layout: Any
+  emulator: Any
+  delay_s: Any
+  compiles_at_warmup: int | None
+
+  def warm_up(self, state, batch, eval_batch, step: int = 0):
+    """Compiles what the placement may run from `step` on; returns the state (maybe moved)."""
+
+  def before_step(self, step: int, state) -> tuple[Any, Any]:
+    """(the state on the layout for 0-based `step`, the step's plan for the engine)."""
+
+  def after_step(self, step: int, step_s: float) -> dict:
+    """Takes the step's measured seconds; returns scalars for its record."""
+
+  def state_dict(self) -> dict | None:
+    """The host state a checkpoint keeps."""
+
+  def summary(self, total_s: float) -> dict:
+    """The placement's part of the summary, given the run's total seconds."""

@@ -2,9 +2,10 @@
 
 It validates the config (the only place the raw config is read), answers a run with nothing
 left to train from its workdir, and hands the rest to the training loop (`trainer.Trainer`,
-whose doc says the order of work) with the run's executor: tensor-parallel (`tensor`); a
-pipelined or planned run goes to `pipelined.train`, the replica sync modes to `replica_loop`
-(one process) and `replica_processes` (one replica per process).
+whose doc says the order of work) with the run's executor: tensor-parallel (`tensor`) or,
+for a pipelined or planned run, pipelined (`pipelined`). The replica sync modes go to
+`replica_loop` (one process; its placement the balancer or the pipelined plan) and
+`replica_processes` (one tensor-parallel replica per process).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import executor as executor_lib
 from semijax.train import metrics as metrics_lib
+from semijax.train import pipeline_setup
 from semijax.train import pipelined
 from semijax.train import replica_loop
 from semijax.train import replica_processes
@@ -74,7 +76,7 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     engine_cache: a dict to reuse engines (and their compiled steps) across runs in one process
       whose model, mesh, optimizer and emulation settings match (benchmarks).
     hooks: called after every step with the step and its scalars (`executor.Hook`; the
-      tensor-parallel loop's).
+      tensor-parallel and pipelined loop's, not yet the replica modes').
 
   Returns:
     {"steps", "train/loss", "val/loss", "val/accuracy", "mean_step_time_s", "<unit>_per_s",
@@ -88,18 +90,23 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
   run = config_lib.validate(config, jax.device_count(), jax.process_count())
   if (done := _already_trained(run, workdir)) is not None:
     return done
-  if run.pipeline is not None:
-    return pipelined.train(run, workdir, after_warmup=after_warmup)
   with contextlib.ExitStack() as stack:
-    executor = tensor.TensorParallel(run, workdir, engine_cache)
+    if run.pipeline is not None:
+      run, executor = pipelined.prepare(run, workdir)
+      placement = pipelined.FixedPlan(executor.setup)
+      meta = pipeline_setup.checkpoint_meta(executor.setup.plan)
+    else:
+      executor = tensor.TensorParallel(run, workdir, engine_cache)
+      placement, meta = executor.balancer, None
     stack.callback(executor.close)
     loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks)
-    if run.sync.mode != "sync" and jax.process_count() > 1:    # one replica per process
+    if run.sync.mode != "sync" and run.pipeline is None and jax.process_count() > 1:
       return replica_processes.train(run, executor.engine, loop.writer, executor.state,
                                      loop.start, after_warmup=after_warmup,
-                                     evaluate=steps_lib.evaluate)
+                                     evaluate=steps_lib.evaluate)  # one replica per process
     if run.sync.mode != "sync":     # emulated replicas that do not step together
-      return replica_loop.train(run, executor.engine, executor.balancer, loop.ckpt, loop.writer,
+      return replica_loop.train(run, executor.engine, placement, loop.ckpt, loop.writer,
                                 executor.dataset, executor.state, loop.start, executor.extra,
-                                after_warmup=after_warmup, evaluate=steps_lib.evaluate)
+                                after_warmup=after_warmup, evaluate=steps_lib.evaluate,
+                                meta=meta)
     return loop.train(after_warmup)

@@ -4,9 +4,9 @@
 metric writer and restores the latest checkpoint as for a synchronous run, then hands them here
 when the replicas do not step together and all live in this one process: the replicas are the
 `data` axis of the mesh and their speeds are emulated (`hetero.replica_slowdown`). With several
-processes, one replica each, `replica_processes` trains instead. `pipelined.train` hands its
-data-parallel pipelines here too (a `PipelineEngine`, `pipelined.FixedPlan` as the balancer, the
-pipelines' emulated times as the replicas' speeds).
+processes, one replica each, `replica_processes` trains instead. A pipelined run's
+data-parallel pipelines come here too (a `PipelineEngine`, `pipelined.FixedPlan` as the
+placement, the pipelines' emulated times as the replicas' speeds).
 
 Differences from the synchronous loop, all following from replicas that do not step together:
   * an *update* is one round (ssaw, async) or one local step of every replica (local_sgd); the
@@ -40,6 +40,7 @@ from semijax.core import engine as engine_lib
 from semijax.sync import programs as programs_lib
 from semijax.sync import rounds as rounds_lib
 from semijax.train import config as config_lib
+from semijax.train import executor as executor_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
 
@@ -94,14 +95,14 @@ def learning_rate_fn(run: config_lib.RunConfig) -> Callable[[float], float]:
   return lambda progress: float(schedule(np.float32(progress)))
 
 
-def train(run: config_lib.RunConfig, engine, balancer, ckpt, writer, dataset, state, start: int,
-          extra: dict | None, *, after_warmup: Callable[[], None] | None, evaluate: Callable,
+def train(run: config_lib.RunConfig, engine, balancer: executor_lib.Placement, ckpt, writer,
+          dataset, state, start: int, extra: dict | None, *,
+          after_warmup: Callable[[], None] | None, evaluate: Callable,
           meta: dict | None = None) -> dict:
   """Trains a replica mode in one process to the end of its sample budget (see module doc);
-  returns the summary. Called by `loop.train_and_evaluate` (engine: `core.engine.Engine`, its
-  `Balancer`) and `pipelined.train` (a `PipelineEngine` and its fixed plan,
-  `pipelined.FixedPlan`), which own and close the resources; `meta` joins every checkpoint's
-  metadata."""
+  returns the summary. Called by `loop.train_and_evaluate` with a `core.engine.Engine` and its
+  `Balancer`, or a `PipelineEngine` and its fixed plan (`pipelined.FixedPlan`) as `balancer`;
+  the caller owns and closes the resources; `meta` joins every checkpoint's metadata."""
   driver = (_LocalSGD if run.sync.mode == "local_sgd" else _Rounds)(run, engine, balancer)
   return _Loop(run, engine, balancer, ckpt, writer, dataset, driver, evaluate, meta).train(
       state, start, extra, after_warmup)

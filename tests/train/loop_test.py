@@ -12,16 +12,34 @@ import pytest
 
 import helpers as H
 from semijax.core import engine as engine_lib
+from semijax.core import pipeline
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 from semijax.train import metrics
+from semijax.train import pipeline_setup
 from semijax.train import tensor
 
+def pipelined_gpt(steps):
+  """tiny_gpt on 2 stages of 2 tensor devices, uneven layers and units, 2 microbatches."""
+  c = H.tiny_gpt(tensor=2, steps=steps)
+  c.model.num_layers = 3
+  c.mesh.pipe = 2
+  c.pipeline.layers, c.pipeline.microbatches = "1,2", "2"
+  c.layout.mlp, c.layout.heads = "40,24,10,54", "5,3,2,6"
+  return c
+
+
+def pipelined_abstract(run):
+  return pipeline_setup.build(run, pipeline_setup.resolve_plan(run, 8)).engine.abstract_logical()
+
+
 # kind: (a config of 6 steps checkpointed every 3 and logged every step, the engine class whose
-# train_step runs each step).
+# train_step runs each step, run -> the abstract logical state its checkpoints hold).
 KINDS = {
-    "tensor": (lambda: H.tiny_gpt(steps=6, mlp=(10, 30, 4, 20)), engine_lib.Engine),
+    "tensor": (lambda: H.tiny_gpt(steps=6, mlp=(10, 30, 4, 20)), engine_lib.Engine,
+               lambda run: tensor.build_engine(run).abstract_logical()),
+    "pipelined": (lambda: pipelined_gpt(steps=6), pipeline.PipelineEngine, pipelined_abstract),
 }
 
 
@@ -42,7 +60,7 @@ def nan_at(monkeypatch, cls, call):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_resume_after_a_kill_continues_exactly_with_every_step_once(tmp_path, monkeypatch, kind):
-  config, cls = KINDS[kind]
+  config, cls, _ = KINDS[kind]
   seen = []
   reference = train.train_and_evaluate(config(), str(tmp_path / "ref"),
                                        hooks=[lambda step, s: seen.append((step, s))])
@@ -65,7 +83,7 @@ def test_resume_after_a_kill_continues_exactly_with_every_step_once(tmp_path, mo
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch,
                                                                      kind):
-  config, cls = KINDS[kind]
+  config, cls, abstract = KINDS[kind]
   workdir = str(tmp_path)
   nan_at(monkeypatch, cls, 5)
   closed = H.record_closes(monkeypatch)
@@ -79,7 +97,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, m
   try:
     assert ckpt.all_steps() == [3]
     run = config_lib.validate(config())
-    state, meta = ckpt.restore(tensor.build_engine(run).abstract_logical())
+    state, meta = ckpt.restore(abstract(run))
   finally:
     ckpt.close()
   assert meta["data_position"] == 3

@@ -1,4 +1,5 @@
-"""Pipelined and planned runs through the training entry (`train.pipelined`).
+"""Pipelined and planned runs through the training entry (`train.pipelined`,
+`train.pipeline_setup`).
 
 A pipelined run computes the same updates as an unpipelined one (its losses match step for
 step), resumes exactly from its checkpoints but refuses one saved on another number of stages,
@@ -20,7 +21,7 @@ from semijax.planner import predict as predict_lib
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 from semijax.train import metrics
-from semijax.train import pipelined
+from semijax.train import pipeline_setup
 
 SPEEDS = (1, 1, 1, 1, .5, .5, .5, .5)
 REGIONS = (0, 0, 0, 0, 1, 1, 1, 1)
@@ -114,7 +115,7 @@ def test_layer_capacity_sets_the_slots_every_stage_compiles():
   def layout(layers, capacity):
     run = config_lib.validate(tiny(**{"mesh.pipe": 2, "pipeline.layers": layers,
                                       "pipeline.layer_capacity": capacity}), 8)
-    return pipelined.build(run, pipelined.resolve_plan(run, 8)).layout
+    return pipeline_setup.build(run, pipeline_setup.resolve_plan(run, 8)).layout
 
   moved = [layout("1,3", 3), layout("2,2", 3)]
   assert [x.stage_layers for x in moved] == [(1, 3), (2, 2)]
@@ -130,39 +131,39 @@ def test_device_memory_bounds_the_planner():
   """A bound just below the fastest plan's need makes the planner choose a plan that fits it
   (slower); a bound nothing fits is refused. The bound counts 1e9 bytes per GB."""
   c = with_links(tiny(steps=2, plan="auto"))
-  free = pipelined.resolve_plan(config_lib.validate(c, 8), 8)
+  free = pipeline_setup.resolve_plan(config_lib.validate(c, 8), 8)
   bound = 0.999 * max(free.breakdown["memory_bytes"])
   c.hetero.device_memory_gb = bound / 1e9
-  bounded = pipelined.resolve_plan(config_lib.validate(c, 8), 8)
+  bounded = pipeline_setup.resolve_plan(config_lib.validate(c, 8), 8)
   assert max(bounded.breakdown["memory_bytes"]) <= bound
   assert bounded.breakdown["memory_use"] == pytest.approx(
       max(bounded.breakdown["memory_bytes"]) / bound)
   assert bounded.predicted_s > free.predicted_s
   c.hetero.device_memory_gb = 1e-7
   with pytest.raises(ConfigError, match=r"^cluster\.memory: no plan fits"):
-    pipelined.resolve_plan(config_lib.validate(c, 8), 8)
+    pipeline_setup.resolve_plan(config_lib.validate(c, 8), 8)
 
 
 def test_planned_run_emulates_the_predicted_step(tmp_path):
   c = with_links(tiny(steps=2, plan="auto"))
   run = config_lib.validate(c, 8)
-  plan = pipelined.resolve_plan(run, 8)
-  setup = pipelined.build(run, plan)
-  emulated = pipelined.emulated_step(setup)
+  plan = pipeline_setup.resolve_plan(run, 8)
+  setup = pipeline_setup.build(run, plan)
+  emulated = pipeline_setup.emulated_step(setup)
   np.testing.assert_allclose(emulated["step_s"], plan.predicted_s, rtol=1e-9)
   # Also with padding: uneven layers and units, so devices hold more slots than they own (the
   # all-reduces carry them).
   uneven = with_links(tiny(**{"mesh.data": 2, "mesh.pipe": 2, "pipeline.layers": "1,3",
                               "pipeline.microbatches": "3,1", "layout.mlp": "40,24,10,54"}))
   run_uneven = config_lib.validate(uneven, 8)
-  plan_uneven = pipelined.resolve_plan(run_uneven, 8)
-  emulated = pipelined.emulated_step(pipelined.build(run_uneven, plan_uneven))
+  plan_uneven = pipeline_setup.resolve_plan(run_uneven, 8)
+  emulated = pipeline_setup.emulated_step(pipeline_setup.build(run_uneven, plan_uneven))
   np.testing.assert_allclose(emulated["step_s"], plan_uneven.predicted_s, rtol=1e-9)
   assert emulated["allreduce_s"] > 0 and emulated["transfer_s"] > 0
   # A plan spanning both regions over the slower link costs more than with free links.
   free = cluster_lib.Cluster(np.asarray(SPEEDS, float), np.inf, np.zeros((8, 8)),
                              np.full((8, 8), np.inf))
-  assert predict_lib.predict(plan, pipelined.model_costs(run), free)["step_s"] < plan.predicted_s
+  assert predict_lib.predict(plan, pipeline_setup.model_costs(run), free)["step_s"] < plan.predicted_s
   summary = train.train_and_evaluate(c, str(tmp_path / "auto"))
   assert summary["plan"] == json.load(open(tmp_path / "auto" / "plan.json"))
   assert min(summary["step_times_s"]) >= plan.predicted_s

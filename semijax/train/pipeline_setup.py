@@ -1,0 +1,219 @@
+"""The plan of a pipelined or planned run (`config.mesh.pipe` > 1 or `config.plan`), and the
+engine, layout and emulation it builds.
+
+A run's plan (`semijax.planner.Plan`) says everything the pipelined engine (`core.pipeline`)
+needs: the mesh (data x pipe x tensor) and the device at each position, the layers per stage,
+the units per tensor position, the microbatches per data-parallel pipeline and their size, the
+schedule. It comes from the planner (`config.plan = "auto"`), from a plan file
+(`experiments/plan.py --out`), or from the config itself (`mesh`, `pipeline.*`, `layout.*`,
+devices in id order). Each stage's tensor layout compiles exactly the unit counts it uses as
+its widths, so every device executes its own share and no more.
+
+With `hetero.device_speeds` or `hetero.links`, the devices and links are emulated
+(`core.emulation.PipelineEmulator`): after every step the host sleeps for the time the plan's
+devices and links would take for what the step executed (`emulated_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+
+from semijax import models
+from semijax.core import emulation
+from semijax.core import layout as layout_lib
+from semijax.core import mesh as mesh_lib
+from semijax.core import pipeline
+from semijax.core import plan as plan_lib
+from semijax.errors import ConfigError
+from semijax.planner import cluster as cluster_lib
+from semijax.planner import costs as costs_lib
+from semijax.planner import plan as planner_plan
+from semijax.planner import predict as predict_lib
+from semijax.planner import search
+from semijax.train import config as config_lib
+from semijax.train import metrics as metrics_lib
+from semijax.train import optimizer as optimizer_lib
+
+say = metrics_lib.say
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+def model_costs(run: config_lib.RunConfig) -> costs_lib.ModelCosts:
+  """The planner's view of the run's model at the emulated device rate, in its precision and
+  with its optimizer's first-moment dtype."""
+  return costs_lib.ModelCosts.from_spec(run.model, run.hetero.device_gflops,
+                                        run.optimizer.mu_dtype)
+
+
+def cluster(run: config_lib.RunConfig, num_devices: int) -> cluster_lib.Cluster:
+  """The planner's view of the run's devices: the emulated speeds and links, or `num_devices`
+  equal devices with free links."""
+  memory = run.pipeline.memory_gb * 1e9 or np.inf
+  d = run.pipeline.devices
+  if d is None:
+    return cluster_lib.Cluster(np.ones(num_devices), memory, np.zeros((num_devices,) * 2),
+                               np.full((num_devices,) * 2, np.inf))
+  return cluster_lib.Cluster(d.speeds, memory, d.latency_s, d.bandwidth, d.regions)
+
+
+def _configured(run: config_lib.RunConfig) -> planner_plan.Plan:
+  """The plan a config spells out (`mesh`, `pipeline.*`, `layout.*`; devices in id order)."""
+  p, m, spec = run.pipeline, run.mesh, run.model
+  layers = (layout_lib.even_counts(spec.num_layers, m.pipe) if p.layers == "even"
+            else p.layers)
+  units = []
+  for s in range(m.pipe):
+    stage = {}
+    for kind, total, counts in (("mlp", spec.d_ff, p.mlp), ("heads", spec.num_heads, p.heads)):
+      stage[kind] = layout_lib.even_counts(total, m.tensor) if counts == "even" else counts[s]
+    units.append(stage)
+  return planner_plan.Plan(data=m.data, pipe=m.pipe, tensor=m.tensor,
+                           device_order=tuple(range(m.size)), stage_layers=tuple(layers),
+                           stage_units=tuple(units), microbatches=p.microbatches,
+                           microbatch_size=run.batch_size // sum(p.microbatches),
+                           schedule=p.schedule, sync=run.sync.mode)
+
+
+def load_plan(path: str) -> planner_plan.Plan:
+  """A plan saved by `experiments/plan.py --out` (bad fields raise ConfigError naming them)."""
+  try:
+    with open(path) as f:
+      d = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ConfigError(f"config.plan: cannot read a plan from {path!r}: {e}") from None
+  fields = {f.name for f in dataclasses.fields(planner_plan.Plan)}
+  if not isinstance(d, dict) or not {"data", "pipe", "tensor"} <= set(d):
+    raise ConfigError(f"config.plan: {path!r} holds no plan (experiments/plan.py --out writes one)")
+  d = {k: v for k, v in d.items() if k in fields and k not in ("predicted_s", "breakdown")}
+  return planner_plan.Plan(**d)
+
+
+def resolve_plan(run: config_lib.RunConfig, num_devices: int) -> planner_plan.Plan:
+  """The run's plan with its predicted step time (see module doc).
+
+  Raises:
+    ConfigError: the plan does not fit the devices, model or batch (named).
+  """
+  p = run.pipeline
+  costs = model_costs(run)
+  if p.plan == "auto":
+    n = len(p.devices.speeds) if p.devices is not None else num_devices
+    if n > num_devices:
+      raise ConfigError(f"config.hetero.device_speeds: {n} devices, only {num_devices} exist")
+    sizes = p.microbatch_sizes or tuple(m for m in range(1, run.batch_size + 1)
+                                        if run.batch_size % m == 0)
+    plan = search.plan(costs, cluster(run, n), run.batch_size, sizes, p.schedules, p.syncs)
+  else:
+    plan = load_plan(p.plan) if p.plan else _configured(run)
+    if run.sync.mode not in ("sync", plan.sync):
+      raise ConfigError(f"config.sync.mode: {run.sync.mode!r}, but the plan {p.plan!r} combines "
+                        f"its pipelines with {plan.sync!r}; leave sync.mode 'sync' to follow the "
+                        "plan, or plan again")
+  if plan.num_devices > num_devices:
+    raise ConfigError(f"config.plan: the plan places {plan.num_devices} devices, only "
+                      f"{num_devices} exist")
+  if p.devices is not None and len(p.devices.speeds) != plan.num_devices:
+    raise ConfigError(f"config.hetero.device_speeds: {len(p.devices.speeds)} devices, the plan "
+                      f"places {plan.num_devices}")
+  if plan.global_batch != run.batch_size:
+    raise ConfigError(f"config.batch_size: {run.batch_size}, but the plan's microbatches "
+                      f"{plan.microbatches} x {plan.microbatch_size} examples make "
+                      f"{plan.global_batch}")
+  try:
+    return predict_lib.with_prediction(plan, costs, cluster(run, plan.num_devices))
+  except ValueError as e:
+    raise ConfigError(f"config.plan: {e}") from None
+
+
+def for_plan(run: config_lib.RunConfig, plan: planner_plan.Plan) -> config_lib.RunConfig:
+  """The run as `plan` shapes it: its mesh and its sync mode (with config.sync's settings).
+
+  Raises:
+    ConfigError: a replica mode (ssaw, async, local_sgd) with unequal microbatches per pipeline
+      (each pipeline's share of the stream is batch_size / data examples).
+  """
+  mode = plan.sync
+  if plan.data == 1 and mode != "sync":
+    say(f"sync mode {mode!r}: the plan has one pipeline, which waits for no one; training 'sync'")
+    mode = "sync"
+  sync = dataclasses.replace(run.sync, mode=mode).validate(plan.data)
+  if sync.mode != "sync" and len(set(plan.microbatches)) > 1:
+    raise ConfigError(f"config.pipeline.microbatches: sync mode {sync.mode!r} gives every "
+                      f"pipeline the same share of each batch; got {plan.microbatches} (the "
+                      "replica modes let fast pipelines run ahead instead)")
+  return dataclasses.replace(run, sync=sync,
+                             mesh=mesh_lib.MeshSpec(plan.data, plan.tensor, plan.pipe))
+
+
+def pipe_layout(plan: planner_plan.Plan, spec, layer_capacity: int = 0) -> pipeline.PipeLayout:
+  """The engine's layout of `plan`: each kind's capacity the most units any device holds, its
+  compiled widths exactly the counts the stages use."""
+  stages = []
+  for kind in ("mlp", "heads"):
+    counts = [u[kind] for u in plan.stage_units]
+    widths = tuple(sorted({c for stage in counts for c in stage}))
+    stages.append([layout_lib.UnitLayout.from_counts(kind, c, capacity=widths[-1], widths=widths)
+                   for c in counts])
+  units = [layout_lib.Layout(mlp=m, heads=h) for m, h in zip(*stages)]
+  if spec.num_units() != {"mlp": spec.d_ff, "heads": spec.num_heads}:
+    raise ConfigError(f"config.model: the pipeline knows kinds mlp and heads, got "
+                      f"{sorted(spec.num_units())}")
+  cap = layer_capacity or max(plan.stage_layers)
+  if cap < max(plan.stage_layers):
+    raise ConfigError(f"config.pipeline.layer_capacity: {cap} slots, but a stage holds "
+                      f"{max(plan.stage_layers)} layers")
+  return pipeline.PipeLayout.build(spec.num_layers, plan.stage_layers, units, capacity=cap)
+
+
+# --- the engine and its emulation --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What a pipelined run runs: the plan, the engine, its layout and the emulation (or None)."""
+
+  plan: planner_plan.Plan
+  engine: pipeline.PipelineEngine
+  layout: pipeline.PipeLayout
+  emulator: emulation.PipelineEmulator | None
+
+
+def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
+  """The engine on the plan's mesh (devices placed as it says), its layout and emulation."""
+  devices = jax.devices()
+  mesh = mesh_lib.make_pipeline_mesh(plan.data, plan.pipe, plan.tensor,
+                                     [devices[i] for i in plan.device_order])
+  model_fn, loss_terms = models.build(run.model)
+  engine = pipeline.PipelineEngine(model_fn, loss_terms, mesh,
+                                   optimizer_lib.make(run.optimizer, run.steps),
+                                   schedule=plan.schedule, microbatches=max(plan.microbatches))
+  layout = pipe_layout(plan, run.model, run.pipeline.layer_capacity)
+  emulator = None
+  if run.pipeline.devices is not None:
+    tokens = plan.microbatch_size * run.model.seq_len
+    stack_bytes, shared_bytes = engine.local_bytes(layout)
+    costs = model_costs(run)
+    emulator = emulation.PipelineEmulator(
+        run.pipeline.devices, plan.grid(), costs.unit_ms(tokens),
+        costs.activation_bytes(tokens), stack_bytes, shared_bytes, plan.schedule,
+        tuple(1e3 * costs.edge_s(tokens, plan.pipe)))
+  return Setup(plan, engine, layout, emulator)
+
+
+def emulated_step(setup: Setup) -> dict:
+  """The emulated time of one step of `setup` (`PipelineEmulator.step` on what it executes)."""
+  executed = [{k: w[:, 0] for k, w in plan_lib.executed_widths(u, 1).items()}
+              for u in setup.layout.units]
+  return setup.emulator.step(setup.layout.stage_layers, executed, setup.plan.microbatches)
+
+
+def checkpoint_meta(plan: planner_plan.Plan) -> dict:
+  """What a pipelined checkpoint's metadata says of its plan (`pipelined.Pipelined.restore`
+  reads it back)."""
+  return {"pipe": plan.pipe, "plan": plan.to_dict()}
