@@ -171,7 +171,9 @@ class PipeForms:
     rows = []
     for row in self._rows(tree, leading):
       row = jax.device_put(row, self._plain_shardings(row))
-      rows.append(jax.device_get(e.to_logical(row, layout, donate=True)))
+      # A row sliced off a stacked tree is a copy to donate; an unstacked tree is the run's
+      # own (device_put of an array already so placed returns that array).
+      rows.append(jax.device_get(e.to_logical(row, layout, donate=bool(leading))))
     host = rows[0] if not leading else jax.tree.map(lambda *x: np.stack(x), *rows)
     return flat(host)
 
