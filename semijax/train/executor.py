@@ -26,18 +26,25 @@ class StepResult:
 
   Attributes:
     metrics: the step's "loss", "accuracy" and "grad_norm" (floats; the loop makes the train
-      scalars of them).
+      scalars of them); one the step did not measure is missing or None (a replica mode's
+      update that started no gradient has no loss).
     seconds: the step's wall time and everything the kind counts with it (a migration, an
       emulated straggler's sleep).
     scalars: the kind's own scalars for the step's record ("balance/...", "pipeline/...").
     notes: console lines the step calls for (a balancing change); a step with notes is
       recorded whatever `log_every` says.
+    samples: the examples the step applied (None: one global batch; a replica mode's update
+      may apply fewer).
+    evaluable: whether the parameters after the step are the model to validate (local_sgd's
+      are only at an average).
   """
 
   metrics: dict
   seconds: float
   scalars: dict = dataclasses.field(default_factory=dict)
   notes: tuple[str, ...] = ()
+  samples: int | None = None
+  evaluable: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +61,16 @@ class Finish:
 class Executor(Protocol):
   """One kind of parallelism behind the training loop (tensor-parallel: `train.tensor`).
 
-  Steps are 0-based here (step k trains on global batch k); the loop counts from 1.
+  Steps are 0-based here (step k trains on global batch k; a replica mode's update k on what
+  its round rule gives); the loop counts from 1 and runs until the steps' samples make the
+  run's budget (steps x batch_size).
+
+  Attributes:
+    step_name: what a step is called on the console: "step", or "update" where steps apply
+      unequal samples (the replica modes).
   """
+
+  step_name: str
 
   def init(self, seed: int) -> None:
     """Initializes the train state from `seed` (a run with no checkpoint)."""
@@ -100,7 +115,7 @@ record's, written or not)."""
 
 @runtime_checkable
 class Placement(Protocol):
-  """Where the units of a replica mode's engine are for each update (`replica_loop`).
+  """Where the units of a replica mode's engine are for each update (`replicas.Replicas`).
 
   Attributes:
     layout: the current layout (`core.layout.Layout`, or a pipelined `PipeLayout`).

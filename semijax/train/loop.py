@@ -3,9 +3,9 @@
 It validates the config (the only place the raw config is read), answers a run with nothing
 left to train from its workdir, and hands the rest to the training loop (`trainer.Trainer`,
 whose doc says the order of work) with the run's executor: tensor-parallel (`tensor`) or,
-for a pipelined or planned run, pipelined (`pipelined`). The replica sync modes go to
-`replica_loop` (one process; its placement the balancer or the pipelined plan) and
-`replica_processes` (one tensor-parallel replica per process).
+for a pipelined or planned run, pipelined (`pipelined`); in a replica sync mode, that one
+wrapped in the replicas' (`replicas`). With one replica per process the run goes to
+`replica_processes`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from semijax.train import executor as executor_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import pipeline_setup
 from semijax.train import pipelined
-from semijax.train import replica_loop
 from semijax.train import replica_processes
+from semijax.train import replicas
 from semijax.train import steps as steps_lib
 from semijax.train import tensor
 from semijax.train import trainer as trainer_lib
@@ -75,8 +75,8 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
       benchmark starts its contention there).
     engine_cache: a dict to reuse engines (and their compiled steps) across runs in one process
       whose model, mesh, optimizer and emulation settings match (benchmarks).
-    hooks: called after every step with the step and its scalars (`executor.Hook`; the
-      tensor-parallel and pipelined loop's, not yet the replica modes').
+    hooks: called after every step (a replica mode's update) with the step and its scalars
+      (`executor.Hook`; not yet with one replica per process).
 
   Returns:
     {"steps", "train/loss", "val/loss", "val/accuracy", "mean_step_time_s", "<unit>_per_s",
@@ -93,20 +93,23 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
   with contextlib.ExitStack() as stack:
     if run.pipeline is not None:
       run, executor = pipelined.prepare(run, workdir)
-      placement = pipelined.FixedPlan(executor.setup)
-      meta = pipeline_setup.checkpoint_meta(executor.setup.plan)
     else:
       executor = tensor.TensorParallel(run, workdir, engine_cache)
-      placement, meta = executor.balancer, None
     stack.callback(executor.close)
-    loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks)
     if run.sync.mode != "sync" and run.pipeline is None and jax.process_count() > 1:
+      loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks)
       return replica_processes.train(run, executor.engine, loop.writer, executor.state,
                                      loop.start, after_warmup=after_warmup,
                                      evaluate=steps_lib.evaluate)  # one replica per process
     if run.sync.mode != "sync":     # emulated replicas that do not step together
-      return replica_loop.train(run, executor.engine, placement, loop.ckpt, loop.writer,
-                                executor.dataset, executor.state, loop.start, executor.extra,
-                                after_warmup=after_warmup, evaluate=steps_lib.evaluate,
-                                meta=meta)
+      executor = _replicas(run, executor)
+    loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks)
     return loop.train(after_warmup)
+
+
+def _replicas(run: config_lib.RunConfig, executor) -> replicas.Replicas:
+  """The replica-mode executor around a tensor-parallel or pipelined one."""
+  if isinstance(executor, pipelined.Pipelined):
+    return replicas.Replicas(run, executor, pipelined.FixedPlan(executor.setup),
+                             pipeline_setup.checkpoint_meta(executor.setup.plan))
+  return replicas.Replicas(run, executor, executor.balancer)

@@ -304,15 +304,21 @@ class Progress:
     return sum(times) / len(times) if times else 0.0
 
   def line(self, step: int, step_time_s: float, items_per_step: float,
-           scalars: Mapping[str, Any]) -> str:
-    """E.g. "step  40/200 | loss 2.3141 | 0.084 s/step | 12,190 tokens/s | eta 0:00:13"."""
+           scalars: Mapping[str, Any], batches: float | None = None) -> str:
+    """E.g. "step  40/200 | loss 2.3141 | 0.084 s/step | 12,190 tokens/s | eta 0:00:13"; with
+    `batches`, the global batches trained by `step` when steps are updates of unequal size
+    (a replica mode's), "update 93 | 40.5/200 batches | loss 2.3141 | 0.042 s/update | ..."."""
     self._step_times.append(float(step_time_s))
-    width = len(str(self.total_steps))
-    parts = [f"step {int(step):>{width}}/{self.total_steps}"]
+    if batches is None:
+      width = len(str(self.total_steps))
+      parts, per = [f"step {int(step):>{width}}/{self.total_steps}"], "step"
+      remaining = max(self.total_steps - int(step), 0)
+    else:
+      parts, per = [f"update {int(step)}", f"{batches:.1f}/{self.total_steps} batches"], "update"
+      remaining = max(self.total_steps - batches, 0) * int(step) / max(batches, 1e-9)
     parts += [f"{name} {float(v):.4f}" for name, v in _short_names(scalars).items()]
-    parts.append(f"{step_time_s:.3f} s/step")
+    parts.append(f"{step_time_s:.3f} s/{per}")
     parts.append(f"{_rate(items_per_step, step_time_s)} {self.unit}/s")
-    remaining = max(self.total_steps - int(step), 0)
     parts.append(f"eta {_duration(remaining * self.mean_step_time())}")
     return " | ".join(parts)
 

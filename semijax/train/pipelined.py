@@ -11,7 +11,7 @@ emulated devices' and links' time; the step's measured time is that plus the rea
 the summary says how far it is from the plan's prediction (`planner.predict`).
 
 With a replica sync mode (the plan's `sync`: ssaw, async or local_sgd; `pipeline_setup.for_plan`)
-the pipelines are the replicas of `replica_loop`, with `FixedPlan` as their
+the pipelines are the replicas of `replicas.Replicas`, with `FixedPlan` as their
 `executor.Placement`: every pipeline gets its own gradient (`PipelineEngine.replica_grads_and_terms`)
 and `semijax.sync` combines them.
 """
@@ -72,6 +72,8 @@ class Pipelined:
     restore read (a replica run's in-flight state) or None; emulated: the emulated step
     (`pipeline_setup.emulated_step`) or None.
   """
+
+  step_name = "step"
 
   def __init__(self, run: config_lib.RunConfig, setup: setup_lib.Setup):
     self.run, self.setup, self.engine = run, setup, setup.engine
@@ -170,7 +172,7 @@ class Pipelined:
 
 
 class FixedPlan:
-  """A pipelined run's plan as the `executor.Placement` of `replica_loop` (ssaw, async and
+  """A pipelined run's plan as the `executor.Placement` of `replicas.Replicas` (ssaw, async and
   local_sgd with data-parallel pipelines): the layout never changes, and each pipeline's
   emulated seconds for its share of a batch are its pipeline time
   (`pipeline_setup.emulated_step`) plus the gradient all-reduces after it (`delay_s`, [R]; the

@@ -1,51 +1,27 @@
-"""The training loop of the replica modes: `config.sync.mode` ssaw, async and local_sgd.
-
-`loop.train_and_evaluate` validates the config, builds the engine, balancer, checkpointer and
-metric writer and restores the latest checkpoint as for a synchronous run, then hands them here
-when the replicas do not step together and all live in this one process: the replicas are the
-`data` axis of the mesh and their speeds are emulated (`hetero.replica_slowdown`). With several
-processes, one replica each, `replica_processes` trains instead. A pipelined run's
-data-parallel pipelines come here too (a `PipelineEngine`, `pipelined.FixedPlan` as the
-placement, the pipelines' emulated times as the replicas' speeds).
-
-Differences from the synchronous loop, all following from replicas that do not step together:
-  * an *update* is one round (ssaw, async) or one local step of every replica (local_sgd); the
-    run ends when every sample of its budget (steps x batch_size) has been applied, which may
-    take more updates than `steps` (ssaw and async make smaller updates);
-  * the learning-rate schedule runs over samples applied (`steps` x batch_size of them);
-  * each update's wall time is its real compute plus the emulated seconds the round rule gives
-    (the host sleeps them), not the slowest tensor device of a lockstep step;
-  * evaluation comes when the samples applied cross a multiple of eval_every x batch_size (and
-    at the end); local_sgd evaluates the averaged model at its next average;
-  * checkpoints (every checkpoint_every updates and at the end) also hold the in-flight state
-    (`extra["sync"]`), so a resumed run continues exactly.
-The summary has the synchronous loop's keys plus "sync": samples, updates, the validation curve
-against wall time and the microbatches each replica computed.
+"""What one update is in each replica mode (`config.sync.mode` ssaw, async, local_sgd) of
+one process, its replicas the `data` axis of the mesh: the drivers `Rounds` (ssaw, async: one
+round of `sync.rounds.RoundRunner`) and `LocalSGD` (one local step of every replica, an outer
+step every `local_steps`), the `Batches` they read, and the replica programs they share.
+`replicas.Replicas` drives them as an executor of the training loop; `replica_processes` uses
+the batches and programs with one replica per process.
 """
 
 from __future__ import annotations
 
 import collections
-import math
-import time
 import weakref
 from typing import Callable
 
 import jax
 import numpy as np
 
-from semijax.core import compiles
-from semijax.core import emulation
 from semijax.core import engine as engine_lib
 from semijax.sync import programs as programs_lib
 from semijax.sync import rounds as rounds_lib
 from semijax.train import config as config_lib
-from semijax.train import executor as executor_lib
-from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
 
 
-say = metrics_lib.say
 
 
 class Batches:
@@ -95,23 +71,10 @@ def learning_rate_fn(run: config_lib.RunConfig) -> Callable[[float], float]:
   return lambda progress: float(schedule(np.float32(progress)))
 
 
-def train(run: config_lib.RunConfig, engine, balancer: executor_lib.Placement, ckpt, writer,
-          dataset, state, start: int, extra: dict | None, *,
-          after_warmup: Callable[[], None] | None, evaluate: Callable,
-          meta: dict | None = None) -> dict:
-  """Trains a replica mode in one process to the end of its sample budget (see module doc);
-  returns the summary. Called by `loop.train_and_evaluate` with a `core.engine.Engine` and its
-  `Balancer`, or a `PipelineEngine` and its fixed plan (`pipelined.FixedPlan`) as `balancer`;
-  the caller owns and closes the resources; `meta` joins every checkpoint's metadata."""
-  driver = (_LocalSGD if run.sync.mode == "local_sgd" else _Rounds)(run, engine, balancer)
-  return _Loop(run, engine, balancer, ckpt, writer, dataset, driver, evaluate, meta).train(
-      state, start, extra, after_warmup)
-
-
 # --- drivers: what one update is in each mode -------------------------------------------------
 
 
-class _Update:
+class Update:
   """What one update did (host numbers)."""
 
   def __init__(self, samples: int, emulated_s: float, loss: float | None, accuracy: float | None,
@@ -128,7 +91,7 @@ def _replica_loss(terms, started) -> tuple[float | None, float | None]:
   return float(t["loss_sum"].sum() / t["count"].sum()), float(t["correct"].sum() / t["count"].sum())
 
 
-class _Rounds:
+class Rounds:
   """ssaw / async: one update = one round of `sync.rounds.RoundRunner`."""
 
   def __init__(self, run, engine, balancer):
@@ -183,7 +146,7 @@ class _Rounds:
                "sync/mean_staleness": float(np.mean(rnd.staleness)),
                "sync/lr_scale": res.lr_scale, "sync/step": float(res.step),
                "sync/emulated_s": res.emulated_s}
-    return state, _Update(sum(rnd.samples), res.emulated_s, loss, acc, scalars)
+    return state, Update(sum(rnd.samples), res.emulated_s, loss, acc, scalars)
 
   def params(self, state):
     return state.params
@@ -200,7 +163,7 @@ class _Rounds:
     self.owner = np.asarray(state["owner"], np.int64).copy()
 
 
-class _LocalSGD:
+class LocalSGD:
   """local_sgd: one update = one local step of every replica on its own microbatch (replica r
   takes shard r of global batch k); every `local_steps` steps and at the end, the outer step
   (average, or DiLoCo's Nesterov) makes the global model and restarts the replicas from it."""
@@ -251,7 +214,7 @@ class _LocalSGD:
                                                                  self.momentum)
       state = engine_lib.TrainState(params, state.opt_state)
     scalars = {"sync/outer": float(outer)}
-    return state, _Update(self.run.batch_size, float(np.max(durations)), loss, acc, scalars,
+    return state, Update(self.run.batch_size, float(np.max(durations)), loss, acc, scalars,
                           evaluable=outer)
 
   def params(self, state):
@@ -274,130 +237,3 @@ class _LocalSGD:
                                           self.engine.param_shardings, leading=0)
     r = self.run.mesh.data
     self.microbatches = [[k * r + i for k in range(self.step)] for i in range(r)]
-
-
-# --- the loop -----------------------------------------------------------------------------------
-
-
-class _Loop:
-  """Warm-up, updates, evaluation, checkpoints and metrics of a one-process replica run."""
-
-  def __init__(self, run, engine, balancer, ckpt, writer, dataset, driver, evaluate, meta=None):
-    self.run, self.engine, self.balancer = run, engine, balancer
-    self.ckpt, self.writer, self.driver, self.evaluate = ckpt, writer, driver, evaluate
-    self.meta = dict(meta or {})
-    self.batches = Batches(dataset, run.mesh.data)
-    self.eval_batches = [engine.shard_batch(b) for b in dataset.eval_batches()]
-    factors = run.sync.replica_slowdown or (1.0,) * run.mesh.data
-    self.factors = np.asarray(factors, np.float64)
-
-  def durations(self) -> np.ndarray:
-    """Emulated seconds of each replica's microbatch now: its tensor group's emulated time
-    (`Balancer.delay_s`; a pipelined run's `FixedPlan.delay_s` gives one per pipeline) times its
-    factor; 1 each (and no sleeping) without emulation."""
-    base = self.balancer.delay_s if self.balancer.emulator is not None else 1.0
-    return base * self.factors
-
-  def train(self, state, start: int, extra: dict | None, after_warmup) -> dict:
-    run, engine, balancer, driver = self.run, self.engine, self.balancer, self.driver
-    t0 = time.perf_counter()
-    state = balancer.warm_up(state, engine.shard_batch(self.batches.global_batch(0)),
-                             self.eval_batches[0], step=0)
-    state, plan = balancer.before_step(start, state)
-    state = driver.warm_up(state, plan, self.batches)
-    balancer.compiles_at_warmup = compiles.count()    # the replica programs are warm-up too
-    d = np.broadcast_to(self.durations(), self.factors.shape)
-    slowdown = tuple(round(float(x), 3) for x in d / d.min())
-    say(f"warm-up: sync mode {run.sync.mode}, {run.mesh.data} replicas (time per microbatch "
-        f"relative to the fastest {slowdown}), {time.perf_counter() - t0:.1f} s")
-    saved = (extra or {}).get("sync")
-    if saved is None:     # the loop may nest the host state under "balance"
-      saved = ((extra or {}).get("balance") or {}).get("sync")
-    if saved is not None:
-      driver.load_state_dict(saved, balancer.layout)
-    else:
-      state = driver.begin(state, plan, self.batches, self.durations())
-    if after_warmup is not None:
-      after_warmup()
-    return self._updates(state, start)
-
-  def _updates(self, state, start: int) -> dict:
-    run, engine, balancer, driver = self.run, self.engine, self.balancer, self.driver
-    emulated = balancer.emulator is not None
-    unit = run.model.unit
-    per_sample = run.model.items_per_example
-    budget = run.steps * run.batch_size
-    applied = driver.applied
-    next_eval = (applied // (run.eval_every * run.batch_size) + 1) * run.eval_every
-    times, losses, curve, val = [], [], [], {}
-    clock = 0.0
-    k = start
-    while not driver.done:
-      k += 1
-      t0 = time.perf_counter()
-      state, plan = balancer.before_step(k - 1, state)
-      state, u = driver.update(state, plan, self.batches, self.durations())
-      if emulated:
-        emulation.Emulator.sleep(u.emulated_s)
-      balancer.after_step(k - 1, time.perf_counter() - t0)
-      dt = time.perf_counter() - t0
-      if u.loss is not None and not math.isfinite(u.loss):
-        raise FloatingPointError(f"train/loss is {u.loss} at update {k}: training stopped; lower "
-                                 "config.optimizer.learning_rate or check the data.")
-      # An update whose round started no gradient measured no loss: it repeats the last one
-      # (an ssaw run's first round may close before any replica computed after it).
-      loss = u.loss if u.loss is not None else (losses[-1] if losses else None)
-      applied += u.samples
-      clock += dt
-      times.append(dt)
-      if loss is not None:
-        losses.append(loss)
-      progress = applied / run.batch_size
-      scalars = {"train/step_time_s": dt,
-                 f"train/{unit}_per_s": u.samples * per_sample / dt, "sync/samples": applied,
-                 "sync/progress": progress, **u.scalars}
-      if loss is not None:
-        scalars["train/loss"] = loss
-      if u.accuracy is not None:
-        scalars["train/accuracy"] = u.accuracy
-      if u.evaluable and (progress >= next_eval or applied >= budget):
-        val = self.evaluate(engine, driver.params(state), self.eval_batches, plan)
-        scalars.update(val)
-        curve.append([clock, applied, val["val/loss"], val["val/accuracy"]])
-        while next_eval <= progress:
-          next_eval += run.eval_every
-      done = driver.done
-      if k % run.log_every == 0 or done or "val/loss" in scalars:
-        self.writer.write(k, scalars)
-        shown = "".join(f" | {n} {scalars[key]:.4f}" for n, key in (
-            ("loss", "train/loss"), ("val_loss", "val/loss")) if key in scalars)
-        say(f"update {k} | {progress:.1f}/{run.steps} batches{shown} | {dt:.3f} s | "
-            f"{scalars[f'train/{unit}_per_s']:,.0f} {unit}/s")
-      if (run.checkpoint_every and k % run.checkpoint_every == 0) or done:
-        self._save(k, state)
-    return self._summary(start, k, times, losses, curve, val, applied)
-
-  def _save(self, k: int, state) -> None:
-    layout = self.balancer.layout
-    extra = dict(self.balancer.state_dict() or {})
-    extra["sync"] = self.driver.state_dict(layout)
-    meta = {**self.meta, "data_position": k, "layout": layout.to_json(),
-            "model": self.run.model.to_dict(), "sync_mode": self.run.sync.mode,
-            "samples": self.driver.applied}
-    self.ckpt.save(k, self.engine.to_logical(state, layout), meta, extra)
-
-  def _summary(self, start, k, times, losses, curve, val, applied) -> dict:
-    run, unit = self.run, self.run.model.unit
-    total = float(np.sum(times)) if times else 0.0
-    items = applied * run.model.items_per_example
-    mean_dt = float(np.mean(times)) if times else float("nan")
-    summary = {"steps": k, "start_step": start,
-               "train/loss": losses[-1] if losses else float("nan"), **val,
-               "mean_step_time_s": mean_dt, f"{unit}_per_s": items / total if total else 0.0,
-               "step_times_s": times, "losses": losses,
-               "balance": self.balancer.summary(total),
-               "sync": {"mode": run.sync.mode, "updates": k, "samples": applied,
-                        "curve": curve, **self.driver.summary()}}
-    say(f"done: {k} updates, {applied} samples, {summary[f'{unit}_per_s']:,.0f} {unit}/s, "
-        f"val_loss {val.get('val/loss', float('nan')):.4f}")
-    return summary

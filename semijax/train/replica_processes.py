@@ -32,7 +32,7 @@ from semijax.sync import real as real_lib
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import metrics as metrics_lib
-from semijax.train import replica_loop
+from semijax.train import replica_modes
 from semijax.train import steps as steps_lib
 
 
@@ -73,10 +73,10 @@ def train(run: config_lib.RunConfig, engine: engine_lib.Engine, writer, state, s
   local = _local_engine(engine)
   lstate = _local_state(state, local)
   dataset = data_lib.build(run.data, 0, 1)       # any process may claim any microbatch
-  batches = replica_loop.Batches(dataset, run.mesh.data)
+  batches = replica_modes.Batches(dataset, run.mesh.data)
   eval_batches = [local.shard_batch(b) for b in dataset.eval_batches()]
   plan = local.plan(run.layout)
-  programs = replica_loop.programs_for(local, run.sync).bind(lstate)
+  programs = replica_modes.programs_for(local, run.sync).bind(lstate)
   runner = (_local_sgd if run.sync.mode == "local_sgd" else _rounds)
   t0 = time.perf_counter()
   out = runner(run, engine.mesh, local, programs, plan, batches, lstate, after_warmup, t0)
@@ -110,7 +110,7 @@ def _rounds(run, global_mesh, local, programs, plan, batches, lstate, after_warm
   if jax.process_index() == 0:
     coordinator = real_lib.Coordinator(
         store, run.sync, r, batch_size=run.batch_size, total_microbatches=run.steps * r,
-        learning_rate=replica_loop.learning_rate_fn(run),
+        learning_rate=replica_modes.learning_rate_fn(run),
         eval_every_samples=run.eval_every * run.batch_size)
   _warm_start(run, after_warmup, t0)
   if coordinator is not None:

@@ -1,6 +1,5 @@
 """What every training loop does around a step: stop on a non-finite loss, the step's scalars,
-the metric record and console line, and the run's summary (`trainer`, `pipelined`, the replica
-loops)."""
+the metric record and console line, and the run's summary (`trainer`, `replica_processes`)."""
 
 from __future__ import annotations
 
@@ -62,31 +61,59 @@ def stop_if_not_finite(loss: float, step: int, writer, checkpoint_dir: str,
       "config.optimizer.learning_rate or check the data.")
 
 
-def scalars(metrics: dict, learning_rate: float, seconds: float, unit: str,
-            items_per_step: float) -> dict:
-  """The scalars of one train step (`metrics`: the step's loss, accuracy, grad_norm)."""
-  return {"train/loss": float(metrics["loss"]), "train/accuracy": float(metrics["accuracy"]),
-          "train/grad_norm": float(metrics["grad_norm"]),
-          "train/learning_rate": float(learning_rate), "train/step_time_s": seconds,
-          f"train/{unit}_per_s": items_per_step / seconds}
+def scalars(metrics: dict, learning_rate: float, seconds: float, unit: str, items: float
+            ) -> dict:
+  """The scalars of one train step (`metrics`: the step's loss, accuracy, grad_norm; one it
+  did not measure missing or None) that trained `items` tokens or images."""
+  out = {f"train/{k}": float(metrics[k]) for k in ("loss", "accuracy", "grad_norm")
+         if metrics.get(k) is not None}
+  out.update({"train/learning_rate": float(learning_rate), "train/step_time_s": seconds,
+              f"train/{unit}_per_s": items / seconds})
+  return out
 
 
-def record(writer, progress: metrics_lib.Progress, step: int, seconds: float,
-           items_per_step: float, values: dict) -> None:
-  """Writes `values` for `step` and prints its progress line."""
+def record(writer, progress: metrics_lib.Progress, step: int, seconds: float, items: float,
+           values: dict, batches: float | None = None) -> None:
+  """Writes `values` for `step` (which trained `items`) and prints its progress line (an
+  update's, with the global `batches` trained by it, when given)."""
   writer.write(step, values)
   shown = {CONSOLE_NAMES[k]: v for k, v in values.items() if k in CONSOLE_NAMES}
-  metrics_lib.say(progress.line(step, seconds, items_per_step, shown))
+  metrics_lib.say(progress.line(step, seconds, items, shown, batches))
 
 
-def summary(run, start: int, step_times: list, losses: list, val: dict) -> dict:
-  """The keys every loop returns: steps, start_step, train/loss, the last validation,
-  mean_step_time_s (the first step left out), <unit>_per_s, step_times_s, losses."""
+def summary(run, start: int, step_times: list, losses: list, val: dict,
+            samples: list | None = None) -> dict:
+  """The keys every loop returns: steps (the last one), start_step, train/loss, the last
+  validation, mean_step_time_s and <unit>_per_s (the first step left out), step_times_s,
+  losses. `samples`: the examples of each step (default: a global batch each)."""
   unit = run.model.unit
-  items_per_step = run.batch_size * run.model.items_per_example
-  timed = step_times[1:] or step_times
+  samples = [run.batch_size] * len(step_times) if samples is None else samples
+  timed, counted = (step_times[1:], samples[1:]) if len(step_times) > 1 else (step_times, samples)
   mean_dt = float(np.mean(timed)) if timed else float("nan")
-  return {"steps": run.steps, "start_step": start,
+  rate = (sum(counted) * run.model.items_per_example / float(np.sum(timed)) if timed
+          else float("nan"))
+  return {"steps": start + len(step_times), "start_step": start,
           "train/loss": losses[-1] if losses else float("nan"), **val,
-          "mean_step_time_s": mean_dt, f"{unit}_per_s": items_per_step / mean_dt,
+          "mean_step_time_s": mean_dt, f"{unit}_per_s": rate,
           "step_times_s": step_times, "losses": losses}
+
+
+class Tally:
+  """A run's step times, samples and measured losses as its steps come, and its last
+  validation (`val`); `summary` makes the keys every loop returns of them."""
+
+  def __init__(self, run):
+    self.run = run
+    self.step_times: list[float] = []
+    self.samples: list[int] = []
+    self.losses: list[float] = []
+    self.val: dict = {}
+
+  def add(self, seconds: float, samples: int, loss: float | None) -> None:
+    self.step_times.append(seconds)
+    self.samples.append(samples)
+    if loss is not None:
+      self.losses.append(loss)
+
+  def summary(self, start: int) -> dict:
+    return summary(self.run, start, self.step_times, self.losses, self.val, self.samples)

@@ -82,6 +82,8 @@ class TensorParallel:
     None (the replica loops read it).
   """
 
+  step_name = "step"
+
   def __init__(self, run: config_lib.RunConfig, workdir: str, engine_cache: dict | None = None):
     feed_index, feeds = mesh_lib.batch_feed(run.mesh.make())
     self.run = run

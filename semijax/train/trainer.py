@@ -51,9 +51,9 @@ class Trainer:
     hooks: called after every step (`executor.Hook`).
 
   Attributes:
-    ckpt, writer, progress: the run's checkpointer, metric writer and progress line;
-    items_per_step: tokens or images of one global batch; start: the step it resumes after
-    (0: from the seed); last_saved: the step of its newest checkpoint (None before the first).
+    ckpt, writer, progress: the run's checkpointer, metric writer and progress line; start:
+    the step it resumes after (0: from the seed); samples: the examples trained by then;
+    last_saved: the step of its newest checkpoint (None before the first).
   """
 
   def __init__(self, run: config_lib.RunConfig, workdir: str, executor: executor_lib.Executor,
@@ -62,16 +62,16 @@ class Trainer:
     self.ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                             keep=run.keep_checkpoints)
     stack.callback(self.ckpt.close)
-    self.start = self._restore_or_init()
+    self.start, self.samples = self._restore_or_init()
     self.writer = stack.enter_context(metrics_lib.MetricWriter(workdir, resume_step=self.start))
     self.writer.write_config(run.source)
     self.progress = metrics_lib.Progress(run.steps, unit=run.model.unit, start_step=self.start)
     self.last_saved = self.start or None
-    self.items_per_step = run.batch_size * run.model.items_per_example
 
-  def _restore_or_init(self) -> int:
-    """The step the run continues after: the latest checkpoint's data position, or 0 with the
-    executor initialized from the seed.
+  def _restore_or_init(self) -> tuple[int, int]:
+    """(the step the run continues after, the samples trained by then): the latest
+    checkpoint's data position and samples, or (0, 0) with the executor initialized from the
+    seed.
 
     Raises:
       ConfigError: the checkpoint holds another model, or one the executor cannot continue.
@@ -80,7 +80,7 @@ class Trainer:
     step = ckpt.latest_step()
     if step is None:
       self.executor.init(run.seed)
-      return 0
+      return 0, 0
     meta = ckpt.read_meta(step)
     if meta.get("model") != run.model.to_dict():
       raise ConfigError(
@@ -89,11 +89,12 @@ class Trainer:
     start, saved_with = self.executor.restore(ckpt, step, meta)
     say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with {saved_with}), "
         f"continuing to step {run.steps}")
-    return start
+    return start, int(meta.get("samples", start * run.batch_size))
 
   def train(self, after_warmup: Callable[[], None] | None = None) -> dict:
-    """Warms up, runs steps start + 1 .. run.steps and returns the summary (`steps.summary`'s
-    keys and the executor's).
+    """Warms up, runs steps from start + 1 until their samples make the run's budget (steps
+    x batch_size; `run.steps` steps of a global batch each) and returns the summary
+    (`steps.summary`'s keys and the executor's).
 
     Args:
       after_warmup: called once everything is compiled, right before the first step.
@@ -102,6 +103,7 @@ class Trainer:
       FloatingPointError: a NaN or infinite loss.
     """
     run, executor = self.run, self.executor
+    batch, budget = run.batch_size, run.steps * run.batch_size
     learning_rates = steps_lib.learning_rates(run)
     t0 = time.perf_counter()
     compiled = executor.warm_up(self.start)
@@ -109,45 +111,60 @@ class Trainer:
     say(f"warm-up: {compiled}, {time.perf_counter() - t0:.1f} s")
     if after_warmup is not None:
       after_warmup()
-    step_times, losses, val = [], [], {}
-    for step in range(self.start + 1, run.steps + 1):
+    tally = steps_lib.Tally(run)
+    step, applied = self.start, self.samples
+    next_eval = (applied // (run.eval_every * batch) + 1) * run.eval_every
+    while applied < budget:
+      step += 1
       result = executor.step(step - 1)
-      dt, loss = result.seconds, result.metrics["loss"]
-      steps_lib.stop_if_not_finite(loss, step, self.writer, self.ckpt.directory, self.last_saved)
-      step_times.append(dt)
-      losses.append(loss)
-      scalars = self._scalars(result, learning_rates[step - 1])
-      if step % run.eval_every == 0 or step == run.steps:
-        val = executor.evaluate()
-        scalars.update(val)
-      self._record(step, result, scalars)
-      if (run.checkpoint_every and step % run.checkpoint_every == 0) or step == run.steps:
-        executor.save(self.ckpt, step, {"data_position": step, "model": run.model.to_dict()})
+      loss = result.metrics.get("loss")
+      if loss is not None:
+        steps_lib.stop_if_not_finite(loss, step, self.writer, self.ckpt.directory,
+                                     self.last_saved)
+      rate = learning_rates[min(applied // batch, run.steps - 1)]
+      samples = batch if result.samples is None else result.samples
+      applied += samples
+      scalars = self._scalars(result, rate, samples)
+      tally.add(result.seconds, samples, loss)
+      last = applied >= budget
+      if result.evaluable and (applied >= next_eval * batch or last):
+        tally.val = executor.evaluate()
+        scalars.update(tally.val)
+        while next_eval * batch <= applied:
+          next_eval += run.eval_every
+      self._record(step, result, scalars, applied, last)
+      if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
+        executor.save(self.ckpt, step, {"data_position": step, "samples": applied,
+                                        "model": run.model.to_dict()})
         self.last_saved = step
       for hook in self.hooks:
         hook(step, scalars)
-    return self._summary(step_times, losses, val)
+    return self._summary(tally)
 
-  def _scalars(self, result: executor_lib.StepResult, learning_rate: float) -> dict:
-    return dict(steps_lib.scalars(result.metrics, learning_rate, result.seconds,
-                                  self.run.model.unit, self.items_per_step), **result.scalars)
+  def _scalars(self, result: executor_lib.StepResult, learning_rate: float, samples: int
+               ) -> dict:
+    run = self.run
+    return dict(steps_lib.scalars(result.metrics, learning_rate, result.seconds, run.model.unit,
+                                  samples * run.model.items_per_example), **result.scalars)
 
-  def _record(self, step: int, result: executor_lib.StepResult, scalars: dict) -> None:
+  def _record(self, step: int, result: executor_lib.StepResult, scalars: dict, applied: int,
+              last: bool) -> None:
     """The executor's notes, then the step's record and progress line when one is due."""
     run = self.run
     for note in result.notes:
       say(note)
-    if (step % run.log_every == 0 or step == run.steps or "val/loss" in scalars
-        or result.notes):
-      steps_lib.record(self.writer, self.progress, step, result.seconds, self.items_per_step,
-                       scalars)
+    if step % run.log_every == 0 or last or "val/loss" in scalars or result.notes:
+      samples = run.batch_size if result.samples is None else result.samples
+      batches = applied / run.batch_size if self.executor.step_name == "update" else None
+      steps_lib.record(self.writer, self.progress, step, result.seconds,
+                       samples * run.model.items_per_example, scalars, batches)
 
-  def _summary(self, step_times: list, losses: list, val: dict) -> dict:
-    run, unit = self.run, self.run.model.unit
-    base = steps_lib.summary(run, self.start, step_times, losses, val)
+  def _summary(self, tally: steps_lib.Tally) -> dict:
+    unit, name = self.run.model.unit, self.executor.step_name
+    base = tally.summary(self.start)
     finish = self.executor.summary(base)
     summary = dict(base, **finish.keys)
-    say(f"done: {len(step_times)} steps, {summary[f'{unit}_per_s']:,.0f} {unit}/s"
-        f"{finish.before_val}, val_loss {val.get('val/loss', float('nan')):.4f}"
+    say(f"done: {len(base['step_times_s'])} {name}s, {summary[f'{unit}_per_s']:,.0f} {unit}/s"
+        f"{finish.before_val}, val_loss {tally.val.get('val/loss', float('nan')):.4f}"
         f"{finish.after_val}")
     return summary

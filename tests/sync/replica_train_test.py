@@ -17,7 +17,7 @@ from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import loop as train
 from semijax.train import metrics
-from semijax.train import replica_loop
+from semijax.train import replica_modes
 
 ENGINES: dict = {}       # compiled steps shared by the runs of this module
 
@@ -68,7 +68,7 @@ def test_every_image_of_the_budget_once(tmp_path):
   out = train.train_and_evaluate(c, str(tmp_path))
   run_config = config_lib.validate(c)
   dataset = data_lib.build(run_config.data)
-  batches = replica_loop.Batches(dataset, 4)
+  batches = replica_modes.Batches(dataset, 4)
   rows = 16 // 4
   used = []
   for r, mbs in enumerate(out["sync"]["microbatches"]):
@@ -84,7 +84,7 @@ def test_every_image_of_the_budget_once(tmp_path):
 
 @pytest.mark.parametrize("mode, extra, cls, name", [
     ("ssaw", {}, rounds_lib.RoundRunner, "round"),
-    ("local_sgd", {"sync.local_steps": 2, "sync.outer": "nesterov"}, replica_loop._LocalSGD,
+    ("local_sgd", {"sync.local_steps": 2, "sync.outer": "nesterov"}, replica_modes.LocalSGD,
      "update")])
 def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name):
   c = lambda: config(mode, (1.0, 2.0, 1.0, 3.0), steps=5, checkpoint_every=3, **extra)

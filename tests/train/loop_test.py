@@ -3,8 +3,10 @@ mid-step resumes to the losses of one never interrupted, with every step in metr
 a non-finite loss stops the run and keeps the last good checkpoint; the hooks see every step
 once, with the scalars recorded."""
 
+import dataclasses
 import math
 import os
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,15 +20,26 @@ from semijax.train import config as config_lib
 from semijax.train import loop as train
 from semijax.train import metrics
 from semijax.train import pipeline_setup
+from semijax.train import replica_modes
 from semijax.train import tensor
 
-def pipelined_gpt(steps):
-  """tiny_gpt on 2 stages of 2 tensor devices, uneven layers and units, 2 microbatches."""
+def pipelined_gpt(steps, data=1):
+  """tiny_gpt on `data` pipelines of 2 stages of 2 tensor devices, uneven layers (and, with
+  one pipeline, uneven units), 2 microbatches per pipeline."""
   c = H.tiny_gpt(tensor=2, steps=steps)
   c.model.num_layers = 3
-  c.mesh.pipe = 2
+  c.mesh.data, c.mesh.pipe = data, 2
   c.pipeline.layers, c.pipeline.microbatches = "1,2", "2"
-  c.layout.mlp, c.layout.heads = "40,24,10,54", "5,3,2,6"
+  if data == 1:
+    c.layout.mlp, c.layout.heads = "40,24,10,54", "5,3,2,6"
+  return c
+
+
+def replicas_gpt(steps, mode, pipelined=False):
+  """Two replicas in `mode` (equal speeds): tensor-parallel groups of 4, or pipelines."""
+  c = pipelined_gpt(steps, data=2) if pipelined else H.tiny_gpt(tensor=4, steps=steps)
+  c.mesh.data = 2
+  c.sync.mode, c.sync.local_steps = mode, 2
   return c
 
 
@@ -34,12 +47,44 @@ def pipelined_abstract(run):
   return pipeline_setup.build(run, pipeline_setup.resolve_plan(run, 8)).engine.abstract_logical()
 
 
-# kind: (a config of 6 steps checkpointed every 3 and logged every step, the engine class whose
-# train_step runs each step, run -> the abstract logical state its checkpoints hold).
+def tensor_abstract(run):
+  return tensor.build_engine(run).abstract_logical()
+
+
+def poison_metrics(out):
+  state, m = out
+  return state, dict(m, loss=jnp.float32(jnp.nan))
+
+
+def poison_update(out):
+  state, update = out
+  update.loss = float("nan")
+  return state, update
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A kind of run: `config()` trains 6 steps (updates), checkpointed every 3 and logged every
+  step; `cls.method` runs once per step and `poison` makes its result report a NaN loss;
+  `abstract(run)` is the logical state its checkpoints hold."""
+
+  config: Callable
+  cls: type
+  method: str
+  poison: Callable
+  abstract: Callable
+
+
 KINDS = {
-    "tensor": (lambda: H.tiny_gpt(steps=6, mlp=(10, 30, 4, 20)), engine_lib.Engine,
-               lambda run: tensor.build_engine(run).abstract_logical()),
-    "pipelined": (lambda: pipelined_gpt(steps=6), pipeline.PipelineEngine, pipelined_abstract),
+    "tensor": Kind(lambda: H.tiny_gpt(steps=6, mlp=(10, 30, 4, 20)), engine_lib.Engine,
+                   "train_step", poison_metrics, tensor_abstract),
+    "pipelined": Kind(lambda: pipelined_gpt(steps=6), pipeline.PipelineEngine, "train_step",
+                      poison_metrics, pipelined_abstract),
+    "ssaw replicas": Kind(lambda: replicas_gpt(6, "ssaw"), replica_modes.Rounds, "update",
+                          poison_update, tensor_abstract),
+    "local_sgd pipelines": Kind(lambda: replicas_gpt(6, "local_sgd", pipelined=True),
+                                replica_modes.LocalSGD, "update", poison_update,
+                                pipelined_abstract),
 }
 
 
@@ -47,20 +92,20 @@ def records(workdir):
   return metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
 
-def nan_at(monkeypatch, cls, call):
-  """Makes `cls.train_step` report a NaN loss on its call number `call` (1-based)."""
-  original, count = cls.train_step, {"n": 0}
+def nan_at(monkeypatch, kind: Kind, call):
+  """Makes `kind`'s step report a NaN loss on its call number `call` (1-based)."""
+  original, count = getattr(kind.cls, kind.method), {"n": 0}
 
   def patched(self, *a, **kw):
     count["n"] += 1
-    state, m = original(self, *a, **kw)
-    return state, (dict(m, loss=jnp.float32(jnp.nan)) if count["n"] == call else m)
-  monkeypatch.setattr(cls, "train_step", patched)
+    out = original(self, *a, **kw)
+    return kind.poison(out) if count["n"] == call else out
+  monkeypatch.setattr(kind.cls, kind.method, patched)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_resume_after_a_kill_continues_exactly_with_every_step_once(tmp_path, monkeypatch, kind):
-  config, cls, _ = KINDS[kind]
+  config = KINDS[kind].config
   seen = []
   reference = train.train_and_evaluate(config(), str(tmp_path / "ref"),
                                        hooks=[lambda step, s: seen.append((step, s))])
@@ -69,7 +114,7 @@ def test_resume_after_a_kill_continues_exactly_with_every_step_once(tmp_path, mo
   assert [r["train/loss"] for r in records(str(tmp_path / "ref"))] == reference["losses"]
   workdir = str(tmp_path / "run")
   H.interrupted(monkeypatch, lambda: train.train_and_evaluate(config(), workdir), 4,
-                cls=cls)                       # checkpoint at 3, killed during step 5
+                KINDS[kind].cls, KINDS[kind].method)    # checkpoint at 3, killed during step 5
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
   resumed = train.train_and_evaluate(config(), workdir)
   assert resumed["start_step"] == 3
@@ -83,9 +128,9 @@ def test_resume_after_a_kill_continues_exactly_with_every_step_once(tmp_path, mo
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch,
                                                                      kind):
-  config, cls, abstract = KINDS[kind]
+  config = KINDS[kind].config
   workdir = str(tmp_path)
-  nan_at(monkeypatch, cls, 5)
+  nan_at(monkeypatch, KINDS[kind], 5)
   closed = H.record_closes(monkeypatch)
   with pytest.raises(FloatingPointError, match=r"^train/loss is nan at step 5: training "
                      r"stopped. The last good checkpoint \(step 3\)"):
@@ -97,7 +142,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, m
   try:
     assert ckpt.all_steps() == [3]
     run = config_lib.validate(config())
-    state, meta = ckpt.restore(abstract(run))
+    state, meta = ckpt.restore(KINDS[kind].abstract(run))
   finally:
     ckpt.close()
   assert meta["data_position"] == 3

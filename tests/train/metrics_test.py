@@ -179,6 +179,15 @@ def test_progress_line_shows_step_throughput_and_scalars():
   assert _eta_seconds(line) == round(160 * 0.084)
 
 
+def test_progress_line_of_an_update_counts_batches_and_its_eta_updates_per_batch():
+  p = metrics.Progress(60)
+  line = p.line(80, 2.0, 512.0, {"train/loss": 1.5}, batches=20.0)
+  assert line.startswith("update 80 | 20.0/60 batches | loss 1.5000 | 2.000 s/update | ")
+  assert "256 tokens/s" in line
+  # 40 batches to go at 4 updates per batch so far, 2 s an update.
+  assert _eta_seconds(line) == 40 * 4 * 2
+
+
 def test_progress_only_shows_passed_scalars_and_keeps_colliding_tags():
   line = metrics.Progress(10, unit="examples").line(1, 0.5, 8, {"train/loss": 1, "val/loss": 2})
   assert "train/loss 1.0000" in line and "val/loss 2.0000" in line

@@ -18,7 +18,7 @@ import helpers as H
 from semijax.errors import ConfigError
 from semijax.sync import rounds as rounds_lib
 from semijax.train import loop as train
-from semijax.train import replica_loop
+from semijax.train import replica_modes
 
 SLOW_HALF = (1, 1, 1, 1, .5, .5, .5, .5)     # pipeline 1 (devices 4-7) at half speed
 
@@ -62,7 +62,7 @@ def test_a_slow_pipeline_uses_every_sample_once_and_the_fast_takes_more(tmp_path
 
 @pytest.mark.parametrize("mode, extra, cls, name", [
     ("ssaw", {}, rounds_lib.RoundRunner, "round"),
-    ("local_sgd", {"sync.local_steps": 2}, replica_loop._LocalSGD, "update")])
+    ("local_sgd", {"sync.local_steps": 2}, replica_modes.LocalSGD, "update")])
 def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name):
   c = lambda: slow(config(mode, steps=5, checkpoint_every=3, **extra))
   workdir = H.check_replica_resume(train_in, c, tmp_path, monkeypatch, cls, name)
