@@ -480,41 +480,44 @@ class RoundsReplica:
     self.store, self.programs, self.groups, self.plan = store, programs, groups, plan
     self.total, self.samples = total_microbatches, microbatch_samples
     self.computed: list[int] = []      # the microbatches this replica computed
+    self.done = False                  # the coordinator said so
+    self._pending = None
+    self._seq, self._k, self._version = 0, 1, 0
 
-  def run(self, state, microbatch: Callable[[int], dict],
-          on_round: Callable[[Message, object, dict | None], None]):
-    """Claims, computes, posts and applies rounds until the coordinator says done; returns the
-    final state. `on_round(message, state, terms)` follows every round this replica is in
-    (`terms`: the loss terms of the gradient it contributed, or None)."""
+  def next_round(self, state, microbatch: Callable[[int], dict]):
+    """Claims, computes and posts one microbatch (or, past the stream's end, nothing), then
+    applies the next round this replica is in. Returns (state, the round's `Message` or None
+    once the coordinator says done, the loss terms of the gradient this replica contributed
+    or None)."""
     me, engine = jax.process_index(), self.programs.engine
-    pending = self.programs.zeros(state.params)
-    seq, k, version = 0, 1, 0
-    start = np.ones(1, bool)
+    if self._pending is None:
+      self._pending = self.programs.zeros(state.params)
+    j = self.store.increment("claim") - 1
+    terms, samples = None, 0
+    if j >= self.total:
+      j = -1
+    else:
+      batch = engine.shard_batch(microbatch(j))
+      self._pending, terms = self.programs.compute(state.params, self._pending, batch,
+                                                   self.plan, np.ones(1, bool))
+      terms = jax.device_get(terms)      # waits for the gradient
+      samples = self.samples
+      self.computed.append(j)
+    n = self.store.increment("posts") - 1
+    self.store.set(f"post/{n}", f"{me} {self._seq} {self._version} {samples} {j}")
+    self._seq += 1
     while True:
-      j = self.store.increment("claim") - 1
-      terms, samples = None, 0
-      if j >= self.total:
-        j = -1
-      else:
-        batch = engine.shard_batch(microbatch(j))
-        pending, terms = self.programs.compute(state.params, pending, batch, self.plan, start)
-        terms = jax.device_get(terms)      # waits for the gradient
-        samples = self.samples
-        self.computed.append(j)
-      n = self.store.increment("posts") - 1
-      self.store.set(f"post/{n}", f"{me} {seq} {version} {samples} {j}")
-      seq += 1
-      while True:
-        msg = Message.from_json(self.store.get(f"round/{k}"))
-        k += 1
-        if msg.done:
-          return state
-        if me in msg.members:
-          break
-      state = self.groups.run(msg.members, msg.join, state, pending, msg.weights,
-                              msg.lr_factor, msg.source)
-      version = msg.version
-      on_round(msg, state, terms)
+      msg = Message.from_json(self.store.get(f"round/{self._k}"))
+      self._k += 1
+      if msg.done:
+        self.done = True
+        return state, None, None
+      if me in msg.members:
+        break
+    state = self.groups.run(msg.members, msg.join, state, self._pending, msg.weights,
+                            msg.lr_factor, msg.source)
+    self._version = msg.version
+    return state, msg, terms
 
 
 class Averager:

@@ -5,7 +5,10 @@ whatever the kind adds (a balancing policy, a pipeline plan, an emulation); the 
 initialize or restore, warm up, step, evaluate, save, summarize, close. The loop owns what every
 run shares (the step count and resume point, the evaluation and checkpoint cadence, metrics,
 the NaN stop, the progress line, the summary, per-step hooks); an executor owns only how a step
-is computed. `StepResult` and `Finish` are what it hands back.
+is computed. `StepResult` and `Finish` are what it hands back. The kinds: tensor-parallel
+(`tensor.TensorParallel`), pipelined (`pipelined.Pipelined`), the replica modes in one process
+(`replicas.Replicas`, around either) and with one replica per process
+(`replica_processes.ProcessReplicas`).
 
 A `Placement` says where a replica mode's units are for each update: the tensor-parallel
 balancer (`balance.coordinator.Balancer`) or a pipelined run's fixed plan
@@ -59,7 +62,7 @@ class Finish:
 
 @runtime_checkable
 class Executor(Protocol):
-  """One kind of parallelism behind the training loop (tensor-parallel: `train.tensor`).
+  """One kind of parallelism behind the training loop (see module doc).
 
   Steps are 0-based here (step k trains on global batch k; a replica mode's update k on what
   its round rule gives); the loop counts from 1 and runs until the steps' samples make the
@@ -95,7 +98,8 @@ class Executor(Protocol):
     """Trains 0-based `step` on global batch `step` and waits for it."""
 
   def evaluate(self) -> dict:
-    """{"val/loss", "val/accuracy"} of the current parameters over every evaluation batch."""
+    """{"val/loss", "val/accuracy"} of the current parameters over every evaluation batch, or
+    {} where validation waits for the end (one replica per process: a copy is kept now)."""
 
   def save(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> None:
     """Checkpoints the train state (and the kind's host state) as `step`; `meta` (data

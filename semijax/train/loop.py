@@ -4,8 +4,8 @@ It validates the config (the only place the raw config is read), answers a run w
 left to train from its workdir, and hands the rest to the training loop (`trainer.Trainer`,
 whose doc says the order of work) with the run's executor: tensor-parallel (`tensor`) or,
 for a pipelined or planned run, pipelined (`pipelined`); in a replica sync mode, that one
-wrapped in the replicas' (`replicas`). With one replica per process the run goes to
-`replica_processes`.
+wrapped in the replicas' (`replicas`; with several processes, one replica each:
+`replica_processes`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     engine_cache: a dict to reuse engines (and their compiled steps) across runs in one process
       whose model, mesh, optimizer and emulation settings match (benchmarks).
     hooks: called after every step (a replica mode's update) with the step and its scalars
-      (`executor.Hook`; not yet with one replica per process).
+      (`executor.Hook`).
 
   Returns:
     {"steps", "train/loss", "val/loss", "val/accuracy", "mean_step_time_s", "<unit>_per_s",
@@ -96,19 +96,18 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     else:
       executor = tensor.TensorParallel(run, workdir, engine_cache)
     stack.callback(executor.close)
-    if run.sync.mode != "sync" and run.pipeline is None and jax.process_count() > 1:
-      loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks)
-      return replica_processes.train(run, executor.engine, loop.writer, executor.state,
-                                     loop.start, after_warmup=after_warmup,
-                                     evaluate=steps_lib.evaluate)  # one replica per process
-    if run.sync.mode != "sync":     # emulated replicas that do not step together
-      executor = _replicas(run, executor)
+    if run.sync.mode != "sync":     # replicas that do not step together
+      executor = _replicas(run, executor, workdir)
     loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks)
     return loop.train(after_warmup)
 
 
-def _replicas(run: config_lib.RunConfig, executor) -> replicas.Replicas:
-  """The replica-mode executor around a tensor-parallel or pipelined one."""
+def _replicas(run: config_lib.RunConfig, executor, workdir: str):
+  """The replica-mode executor around a tensor-parallel or pipelined one: one replica per
+  process when there are several processes (tensor-parallel), else the emulated replicas of
+  this one."""
+  if run.pipeline is None and jax.process_count() > 1:
+    return replica_processes.ProcessReplicas(run, executor, workdir)
   if isinstance(executor, pipelined.Pipelined):
     return replicas.Replicas(run, executor, pipelined.FixedPlan(executor.setup),
                              pipeline_setup.checkpoint_meta(executor.setup.plan))

@@ -42,7 +42,7 @@ class Replicas:
   Args:
     run: the validated run (its sync mode not "sync").
     base: the run's executor of its kind (`tensor.TensorParallel`, `pipelined.Pipelined`),
-      holding the engine, data and train state; closed with this one.
+      holding the engine, data and train state (its owner closes it).
     placement: where the units are for each update (`base.balancer`, `pipelined.FixedPlan`).
     meta: what joins every checkpoint's metadata (a pipelined run's plan).
   """
@@ -70,7 +70,7 @@ class Replicas:
     self.base.state = value
 
   def close(self) -> None:
-    self.base.close()
+    """Nothing of its own: the wrapped executor is closed by whoever built it."""
 
   def init(self, seed: int) -> None:
     self.base.init(seed)

@@ -128,8 +128,9 @@ class Trainer:
       tally.add(result.seconds, samples, loss)
       last = applied >= budget
       if result.evaluable and (applied >= next_eval * batch or last):
-        tally.val = executor.evaluate()
-        scalars.update(tally.val)
+        if val := executor.evaluate():          # {}: deferred (one replica per process)
+          tally.val = val
+          scalars.update(val)
         while next_eval * batch <= applied:
           next_eval += run.eval_every
       self._record(step, result, scalars, applied, last)

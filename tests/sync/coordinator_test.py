@@ -99,7 +99,7 @@ class Job:
 
   def start(self, i):
     """Replica i claims the next microbatch and posts when it is done (at once, empty, once the
-    stream is exhausted), as `RoundsReplica.run` does."""
+    stream is exhausted), as `RoundsReplica.next_round` does."""
     j = self.increment("claim") - 1
     samples, duration = MICROBATCH, self.durations[i]
     if j >= self.total:

@@ -122,6 +122,16 @@ def test_ssaw_in_two_processes_matches_its_rounds_in_one_process(tmp_path, monke
   curve = out["curve"]
   assert curve[-1][1] == STEPS * BATCH
   assert records[-1]["val/loss"] == pytest.approx(curve[-1][2])
+  # Process 0's records: each of its updates once, up to the first that ends the budget (the
+  # rounds after it only hand out the final state, within that step).
+  mine = []
+  for r in rounds:
+    if 0 in r["members"]:
+      mine.append(r)
+      if r["samples"] == STEPS * BATCH:
+        break
+  assert [r["step"] for r in records] == list(range(1, len(mine) + 1))
+  assert records[-1]["sync/samples"] == STEPS * BATCH
 
   monkeypatch.setattr(timeline_lib, "Timeline",
                       lambda *args: RecordedRounds(rounds, *args))
@@ -137,6 +147,8 @@ def test_local_sgd_in_two_processes_matches_one_process(tmp_path):
   assert [r["samples"] for r in out["rounds"]] == [BATCH * (k + 1) for k in range(STEPS)]
   curve = out["curve"]
   assert [p[1] for p in curve] == [2 * BATCH, 4 * BATCH, 6 * BATCH]   # evaluated at every average
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))     # every local step once
+  assert all(np.isfinite(r["train/loss"]) for r in records)
   single = train_one_process(tmp_path / "local_sgd_one", "local_sgd")
   assert_same_curve(curve, single["sync"]["curve"])
   np.testing.assert_allclose(records[-1]["val/loss"], single["val/loss"], rtol=RTOL)
