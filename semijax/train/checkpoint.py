@@ -6,13 +6,24 @@ saved sharded as the devices hold them (`Engine.to_logical`), so it restores ont
 capacity bucket or tensor device count: the engine moves it into the new padded layout. Beside
 it, a JSON item records the step, the data position, the layout it was trained with and the
 model config (a checkpoint is never restored into a different model).
+
+Every checkpoint is verified before it is read: once a save is committed, process 0 records the
+size and SHA-256 of every file in the step's folder (arrays, metadata, Orbax's own) in
+`<step>/semijax_checksums.json`; `verify` checks them, and `latest_intact_step` is the newest
+checkpoint that passes (one without the record, cut short while saving, does not). A damaged
+checkpoint is never deleted: a run that resumes from an older one sets it aside
+(`<directory>.damaged/<step>`) so that its own saves do not meet it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from typing import Callable
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -32,8 +43,56 @@ def dtype_change(meta: dict, abstract: engine_lib.TrainState) -> str:
       f"restored into {'/'.join(now)}"
 
 
+CHECKSUMS = "semijax_checksums.json"
+
+
+def _digest(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+  """Every file under `folder` but the checksum record, as sorted relative paths."""
+  out = []
+  for root, _, names in os.walk(folder):
+    out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+  return sorted(f for f in out if f != CHECKSUMS)
+
+
+def record_checksums(folder: str) -> None:
+  """Writes `folder`/semijax_checksums.json: {"files": {path: [bytes, sha256]}} (atomically)."""
+  files = {f: [os.path.getsize(os.path.join(folder, f)), _digest(os.path.join(folder, f))]
+           for f in _files(folder)}
+  tmp = os.path.join(folder, CHECKSUMS + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump({"files": files}, f, indent=0, sort_keys=True)
+  os.replace(tmp, os.path.join(folder, CHECKSUMS))
+
+
+def check_files(folder: str) -> str | None:
+  """None if every file recorded in `folder`'s checksums is there with its size and digest;
+  else what is wrong, in a few words naming the first bad file."""
+  try:
+    with open(os.path.join(folder, CHECKSUMS)) as f:
+      files = json.load(f)["files"]
+  except FileNotFoundError:
+    return "it has no checksum record (saving it was cut short)"
+  except (OSError, ValueError, KeyError, TypeError):
+    return f"its checksum record {CHECKSUMS} is unreadable"
+  for name, (size, digest) in sorted(files.items()):
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+      return f"{name} is missing"
+    if (actual := os.path.getsize(path)) != size:
+      return f"{name} has {actual} bytes, {size} were written"
+    if _digest(path) != digest:
+      return f"{name} does not match its checksum"
+  return None
+
+
 class Checkpointer:
-  """Saves and restores logical train states under `directory` (one sub-folder per step)."""
+  """Saves and restores logical train states under `directory` (one sub-folder per step), each
+  verified by its checksums (see module doc)."""
 
   def __init__(self, directory: str, keep: int = 2):
     self.directory = os.path.abspath(directory)
@@ -67,6 +126,42 @@ class Checkpointer:
       items["snapshot"] = ocp.args.StandardSave(snapshot)
     self._manager.save(step, args=ocp.args.Composite(**items))
     self._manager.wait_until_finished()
+    if jax.process_index() == 0:
+      record_checksums(self.folder(step))
+
+  def folder(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def verify(self, step: int) -> str | None:
+    """None if checkpoint `step` is intact, else what is wrong with it (`check_files`)."""
+    return check_files(self.folder(step))
+
+  def set_aside(self, step: int) -> str:
+    """Moves damaged checkpoint `step` out of the way of new saves, to
+    <directory>.damaged/<step> (process 0; every process waits for it); returns where."""
+    parent = self.directory + ".damaged"
+    target, n = os.path.join(parent, str(step)), 1
+    while os.path.exists(target):
+      target, n = os.path.join(parent, f"{step}.{n}"), n + 1
+    if jax.process_index() == 0:
+      os.makedirs(parent, exist_ok=True)
+      os.rename(self.folder(step), target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"semijax set aside checkpoint {step}")
+    self._manager.reload()
+    return target
+
+  def latest_intact_step(self, on_damaged: Callable[[int, str], None] | None = None
+                         ) -> int | None:
+    """The newest checkpoint that verifies, or None; `on_damaged(step, problem)` hears of each
+    newer one that does not."""
+    for step in reversed(self.all_steps()):
+      problem = self.verify(step)
+      if problem is None:
+        return step
+      if on_damaged is not None:
+        on_damaged(step, problem)
+    return None
 
   def restore_extra(self, step: int | None = None) -> dict | None:
     """The `extra` tree saved with `step` (numpy arrays), or None if it had none."""

@@ -35,14 +35,14 @@ build_emulator = tensor.build_emulator
 
 
 def _already_trained(run: config_lib.RunConfig, workdir: str) -> dict | None:
-  """The summary of a run with nothing left to do (its workdir holds a checkpoint of this model
-  at config.steps or later), said on the console; None if there is training to do."""
+  """The summary of a run with nothing left to do (its workdir's newest intact checkpoint is of
+  this model at config.steps or later), said on the console; None if there is training to do."""
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory):
     return None
   ckpt = checkpoint_lib.Checkpointer(directory, keep=run.keep_checkpoints)
   try:
-    step = ckpt.latest_step()
+    step = ckpt.latest_intact_step()      # the trainer says which were damaged
     meta = ckpt.read_meta(step) if step is not None else {}
   finally:
     ckpt.close()

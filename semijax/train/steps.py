@@ -48,14 +48,15 @@ def learning_rates(run) -> np.ndarray:
       run.optimizer, run.steps)))(np.arange(run.steps)))
 
 
-def stop_if_not_finite(loss: float, step: int, writer, checkpoint_dir: str,
-                       last_saved: int | None) -> None:
-  """Records a NaN or infinite loss and raises FloatingPointError saying what is intact."""
+def stop_if_not_finite(loss: float, step: int, writer, ckpt) -> None:
+  """Records a NaN or infinite loss and raises FloatingPointError naming the newest checkpoint
+  of `ckpt` (a `checkpoint.Checkpointer`) that verifies."""
   if math.isfinite(loss):
     return
   writer.write(step, {"train/loss": loss})
-  saved = (f"The last good checkpoint (step {last_saved}) in {checkpoint_dir} is intact"
-           if last_saved else "No checkpoint was saved yet")
+  intact = ckpt.latest_intact_step()
+  saved = (f"The last good checkpoint (step {intact}) in {ckpt.directory} is intact"
+           if intact is not None else "No intact checkpoint was saved yet")
   raise FloatingPointError(
       f"train/loss is {loss} at step {step}: training stopped. {saved}; lower "
       "config.optimizer.learning_rate or check the data.")

@@ -52,8 +52,7 @@ class Trainer:
 
   Attributes:
     ckpt, writer, progress: the run's checkpointer, metric writer and progress line; start:
-    the step it resumes after (0: from the seed); samples: the examples trained by then;
-    last_saved: the step of its newest checkpoint (None before the first).
+    the step it resumes after (0: from the seed); samples: the examples trained by then.
   """
 
   def __init__(self, run: config_lib.RunConfig, workdir: str, executor: executor_lib.Executor,
@@ -66,21 +65,30 @@ class Trainer:
     self.writer = stack.enter_context(metrics_lib.MetricWriter(workdir, resume_step=self.start))
     self.writer.write_config(run.source)
     self.progress = metrics_lib.Progress(run.steps, unit=run.model.unit, start_step=self.start)
-    self.last_saved = self.start or None
 
   def _restore_or_init(self) -> tuple[int, int]:
-    """(the step the run continues after, the samples trained by then): the latest
-    checkpoint's data position and samples, or (0, 0) with the executor initialized from the
-    seed.
+    """(the step the run continues after, the samples trained by then): the newest intact
+    checkpoint's data position and samples (newer damaged ones said and set aside), or (0, 0)
+    with the executor initialized from the seed.
 
     Raises:
-      ConfigError: the checkpoint holds another model, or one the executor cannot continue.
+      ConfigError: no checkpoint is intact; the checkpoint holds another model, or one the
+        executor cannot continue.
     """
     run, ckpt = self.run, self.ckpt
-    step = ckpt.latest_step()
-    if step is None:
+    if ckpt.latest_step() is None:
       self.executor.init(run.seed)
       return 0, 0
+    damaged = []
+    step = ckpt.latest_intact_step(lambda s, problem: damaged.append((s, problem)))
+    if step is None:
+      found = "; ".join(f"step {s}: {problem}" for s, problem in damaged)
+      raise ConfigError(f"--workdir: no intact checkpoint in {ckpt.directory} ({found}); move "
+                        "the folder aside or use another --workdir")
+    for s, problem in damaged:
+      where = ckpt.set_aside(s)
+      say(f"checkpoint step {s} in {ckpt.directory} is damaged ({problem}): not loaded, set "
+          f"aside in {where}")
     meta = ckpt.read_meta(step)
     if meta.get("model") != run.model.to_dict():
       raise ConfigError(
@@ -119,8 +127,7 @@ class Trainer:
       result = executor.step(step - 1)
       loss = result.metrics.get("loss")
       if loss is not None:
-        steps_lib.stop_if_not_finite(loss, step, self.writer, self.ckpt.directory,
-                                     self.last_saved)
+        steps_lib.stop_if_not_finite(loss, step, self.writer, self.ckpt)
       rate = learning_rates[min(applied // batch, run.steps - 1)]
       samples = batch if result.samples is None else result.samples
       applied += samples
@@ -137,7 +144,6 @@ class Trainer:
       if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
         executor.save(self.ckpt, step, {"data_position": step, "samples": applied,
                                         "model": run.model.to_dict()})
-        self.last_saved = step
       for hook in self.hooks:
         hook(step, scalars)
     return self._summary(tally)
