@@ -1,8 +1,9 @@
 """What an absl entry point (experiments/train.py) needs around its `main`.
 
   * `parse_flags`, for app.run(main, flags_parser=cli.parse_flags): absl's flag parsing, except
-    that bad input in --config ends in one line: a missing config file, an error the config file
-    raises (an unknown option after the colon), an unknown --config.<key> override. config_flags
+    that bad input in --config ends in one line: a missing config file, one that is not Python
+    (binary garbage, a syntax error), an error the config file raises (an unknown option after
+    the colon), an unknown --config.<key> override. config_flags
     loads the config file while the flags are parsed, so these fail before `main`. It also hides
     the libraries' INFO logs unless --verbosity is given (see `quiet_libraries`).
   * `one_line_errors()`, around the body of `main`: an `errors.InputError` (bad input the user can
@@ -96,8 +97,12 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     if (cause := input_error(e)) is not None:   # raised by the config file's get_config
       sys.exit(str(cause))
+    if (message := unreadable_config(e, spec)) is not None:
+      sys.exit(message)
     # "flag --num_processes=x: ..." (or a config file's traceback: a bug)
     sys.exit(wrong_type(str(e)) or str(e))
+  except SyntaxError as e:                  # compiling the config file
+    sys.exit(unreadable_config(e, spec))
   except (AttributeError, KeyError) as e:   # parsing a --config.<unknown>=... override
     if (message := unknown_override(e, argv)) is None:
       raise
@@ -128,6 +133,20 @@ def missing_config_file(spec: str) -> str | None:
       folder) else []
   return (f"config: no config file at {path!r}" +
           (f"; {os.path.join(folder, '')} has {', '.join(known)}" if known else ""))
+
+
+def unreadable_config(error: BaseException | None, spec: str | None) -> str | None:
+  """A line naming the config file if `error` was raised from compiling it (not Python source:
+  binary garbage, a syntax error), else None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, SyntaxError):
+      path = (spec or "").split(":", 1)[0] or error.filename
+      where = f" (line {error.lineno})" if error.lineno else ""
+      return f"config: {path!r} is not a Python config file: {error.msg}{where}"
+    error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+  return None
 
 
 def input_error(error: BaseException | None) -> errors.InputError | None:

@@ -230,7 +230,11 @@ def load(spec: str) -> ml_collections.ConfigDict:
   if module_spec is None or not os.path.exists(path):
     raise ConfigError(f"config: no config file at {path!r}")
   module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  try:
+    module_spec.loader.exec_module(module)
+  except SyntaxError as e:
+    where = f" (line {e.lineno})" if e.lineno else ""
+    raise ConfigError(f"config: {path!r} is not a Python config file: {e.msg}{where}") from None
   return module.get_config(arg or None)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from semijax import errors
 from semijax.runtime import cli
+from semijax.train import config as config_lib
 
 # config_flags loads config files with the deprecated importlib load_module().
 pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
@@ -126,3 +127,10 @@ def test_cache_flags_for_children_pass_the_resolved_directory_or_turn_the_cache_
   assert args[-1] == f"--compilation_cache_dir={resolved}"
   assert cli.cache_flags_for_children(Holder(False), Holder("/from/flag")) == (
       ["--compilation_cache=False"], None)
+
+
+def test_a_config_file_that_is_not_python_is_one_line_naming_it(tmp_path):
+  (tmp_path / "garbage.py").write_bytes(b"\x7fELF\x00\x01\xff")
+  with pytest.raises(errors.ConfigError, match=r"^config: '.*garbage\.py' is not a Python config file: "
+                     r"source code string cannot contain null bytes$"):
+    config_lib.load(str(tmp_path / "garbage.py"))

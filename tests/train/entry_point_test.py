@@ -35,6 +35,10 @@ CASES = {
                         config="configs/nope.py"),
     "config_file_with_override": Case(("--config.steps=3",), r"config: no config file at ",
                                       config="configs/nope.py"),
+    "config_garbage": Case((), r"config: '.*garbage\.py' is not a Python config file: source "
+                           r"code string cannot contain null bytes$", config="{garbage}"),
+    "config_syntax": Case((), r"config: '.*syntax\.py' is not a Python config file: invalid "
+                          r"syntax \(line 1\)$", config="{syntax}:cpu"),
     "override_key": Case(("--config.modle.d_model=3",), re.escape(
         "config.modle.d_model: unknown config key (from --config.modle.d_model=3)")),
     "override_value": Case(("--config.steps=abc",),
@@ -69,11 +73,15 @@ class Run:
 def runs(tmp_path_factory) -> dict[str, Run]:
   """Runs every case of CASES at once; {name: Run}."""
   root = tmp_path_factory.mktemp("entry_point")
+  files = {"garbage": root / "garbage.py", "syntax": root / "syntax.py"}
+  files["garbage"].write_bytes(b"\x7fELF\x00\x01\xff garbage")
+  files["syntax"].write_text("def get_config(:\n")
   started = {}
   for name, case in CASES.items():
     workdir, cache = root / name / "workdir", root / name / "cache"
     out, err = open(root / f"{name}.out", "w+"), open(root / f"{name}.err", "w+")
-    command = [sys.executable, os.path.join("experiments", "train.py"), "--config", case.config,
+    command = [sys.executable, os.path.join("experiments", "train.py"), "--config",
+               case.config.format(**files),
                "--workdir", str(workdir), f"--compilation_cache_dir={cache}", *case.args]
     started[name] = (subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err), out, err,
                      workdir, cache)
