@@ -9,7 +9,8 @@
   controller  (`controller`, `cost`) decisions of the controlled policies;
   sampler     (`sampling`) shared speed samples and the shared clock;
   mover       (`mover`) migrations between layouts;
-  log         (`decisions`) workdir/decisions.jsonl.
+  log         (`decisions`) workdir/decisions.jsonl;
+  warmer      (`warmup`) the warm-up: compiling, exercising and timing before the first step.
 
 Before each step, `before_step` decides (after a new speed sample), migrates if the decision
 says so, and returns the plan; after it, `after_step` takes the measured time. `warm_up` compiles
@@ -35,6 +36,7 @@ from semijax.balance import plans as plans_lib
 from semijax.balance import policies as policies_lib
 from semijax.balance import priority as priority_lib
 from semijax.balance import sampling as sampling_lib
+from semijax.balance import warmup as warmup_lib
 from semijax.balance.cost import Setup
 from semijax.core import compiles
 from semijax.core import plan as plan_lib
@@ -79,6 +81,9 @@ class Balancer:
     self.plans = plans_lib.PlanCache(engine, policy, buckets)
     self.mover = mover_lib.Mover(engine) if policy.moves else None
     self.resizer, self.controller, self.sampler = resizer, controller, sampler
+    self.warmer = warmup_lib.WarmUp(engine, buckets, self.plans, mover=self.mover,
+                                    resizer=resizer, controller=controller, sampler=sampler,
+                                    emulator=emulator)
     self.log = log or decisions_lib.DecisionLog(None)
     self.decision = None            # the decision taken before the current step, if any
     self.compiles_at_warmup = None
@@ -226,78 +231,14 @@ class Balancer:
 
   def warm_up(self, state, batch, eval_batch, step: int = 0):
     """Compiles and exercises every variant the policy may use in every bucket, compiles and
-    times a migration, does the priority refresh due at 0-based `step` (the first to run);
-    returns the state (unchanged in value, in the starting layout)."""
-    self._warm_steps(state, batch, eval_batch, self.layout)
-    # A checkpoint's round trip through the logical form (and the restore's way back).
-    state = self.engine.to_padded(self.engine.to_logical(state, self.layout, donate=True),
-                                  self.layout, donate=True)
-    if self.resizer is not None and self.resizer.due(step):
-      self._refresh(step, state)                      # ~0.4 s, before the clock starts
-    if self.sampler is not None:
-      self.sampler.warm_up()
-    if self.mover is not None:
-      state = self._warm_moves(state, batch, eval_batch)
-    if self.sampler is not None:   # last: the first sample then measures training steps only
-      self.sampler.start()
-      self._trial(state, batch, step)
+    times a migration, does the priority refresh due at 0-based `step` (the first to run) and
+    takes a trial step's provisional speed sample (`warmup.WarmUp`); returns the state
+    (unchanged in value, in the starting layout)."""
+    state, sample = self.warmer.warm_up(state, batch, eval_batch, self.layout, step, self._plan)
+    if sample is not None:
+      self._take(sample)
     self.compiles_at_warmup = compiles.count()
     return state
-
-  def _trial(self, state, batch, step: int) -> None:
-    """Times one step in the starting layout on a throwaway copy of `state` (with the emulated
-    slowdown) and takes a provisional speed sample of it (`SpeedSampler.trial`): 0-based `step`,
-    the first to run, then already runs on a decision, so a run that starts on unequal devices
-    moves before its first step instead of after it. Off the clock, like the rest of warm-up."""
-    plan, executed = self._plan(step)
-    scratch = jax.tree.map(lambda x: x.copy(), state)
-    t0 = time.perf_counter()
-    _, metrics = self.engine.train_step(scratch, batch, plan)
-    jax.block_until_ready(metrics)
-    if self.emulator is not None:
-      self.emulator.sleep(self.emulator.delay_s(step, executed))
-    self._take(self.sampler.trial(step, time.perf_counter() - t0))
-
-  def _warm_moves(self, state, batch, eval_batch):
-    """An uneven split in the big bucket, a migration inside it and back, then home; then one
-    move timed (every move is compiled by then) to calibrate the cost of migrating."""
-    start = self.layout
-    there = self.buckets.warm_target(start)
-    move = self.mover.move
-    self.mover.compile(state, start, there)           # into the big bucket, every chunk size
-    state = move(state, start, there)
-    if not self.buckets.is_start(there):
-      self._warm_steps(state, batch, eval_batch, there)
-    further = buckets_lib.rebalance(there, {k: buckets_lib.shift_one(u.counts, u.capacity)
-                                            for k, u in there.kinds().items()})
-    self.mover.compile(state, there, further)         # inside it
-    self.mover.compile(state, there, start)           # and home
-    state = move(move(move(state, there, further), further, there), there, start)
-    jax.block_until_ready(state)
-    self.mover.shared(0.0)      # a barrier: time the move, not a process still compiling
-    t0 = time.perf_counter()
-    state = move(state, start, there)
-    jax.block_until_ready(state)
-    self.controller.cost.observe_move(self.mover.shared(time.perf_counter() - t0))
-    return move(state, there, start)
-
-  def _warm_steps(self, state, batch, eval_batch, layout) -> None:
-    """Compiles and exercises the train and eval steps the policy may run in `layout`'s bucket
-    (`policies.Policy.step_kinds`), with `state` in `layout`, and the priority refresh."""
-    if self.resizer is not None:
-      self.resizer.priority.warm_up(state.params, self.engine.axes)
-    owned = {k: u.counts for k, u in layout.kinds().items()}
-    for kind in self.plans.kinds(layout):
-      setup, resize = Setup.of(owned), None
-      if kind == "resized":
-        half = tuple(0.5 for _ in range(layout.num_devices))
-        resize = self.resizer.priority.select(layout, half, mark=False)
-      elif kind == "offload":
-        setup = Setup(setup.owned, {k: buckets_lib.shift_one(u.counts, u.capacity)
-                                    for k, u in layout.kinds().items()})
-      plan = self.plans.build(layout, kind, setup, resize)
-      self.engine.compile(state, batch, plan, eval_batch)
-      self.engine.exercise(state, batch, plan)
 
   def state_dict(self) -> dict | None:
     """Host state for checkpoints (the priority scores), or None."""
