@@ -10,7 +10,8 @@
   sampler     (`sampling`) shared speed samples and the shared clock;
   mover       (`mover`) migrations between layouts;
   log         (`decisions`) workdir/decisions.jsonl;
-  warmer      (`warmup`) the warm-up: compiling, exercising and timing before the first step.
+  warmer      (`warmup`) the warm-up: compiling, exercising and timing before the first step;
+  stats       (`stats`) the run's counters and its summary.
 
 Before each step, `before_step` decides (after a new speed sample), migrates if the decision
 says so, and returns the plan; after it, `after_step` takes the measured time. `warm_up` compiles
@@ -36,6 +37,7 @@ from semijax.balance import plans as plans_lib
 from semijax.balance import policies as policies_lib
 from semijax.balance import priority as priority_lib
 from semijax.balance import sampling as sampling_lib
+from semijax.balance import stats as stats_lib
 from semijax.balance import warmup as warmup_lib
 from semijax.balance.cost import Setup
 from semijax.core import compiles
@@ -87,10 +89,7 @@ class Balancer:
     self.log = log or decisions_lib.DecisionLog(None)
     self.decision = None            # the decision taken before the current step, if any
     self.compiles_at_warmup = None
-    self.stats = {"migrations": 0, "migrate_s": 0.0, "probe_s": 0.0, "probes": 0,
-                  "decide_s": 0.0, "changes": 0, "step_compiles": 0, "decisions": 0,
-                  "single_width_steps": 0}
-    self._compiles_before = None
+    self.stats = stats_lib.Stats()
     self._sample = None             # a speed sample not yet decided on
     self._new_regime = False        # ... some sample since the last decision confirmed a regime
     self._last = None               # the latest decision (logged with the time measured after it)
@@ -142,7 +141,7 @@ class Balancer:
     """(state, plan) for 0-based `step`: decides (after each speed sample), migrates if the
     decision says so. Every input of a decision is identical on all processes (shared samples
     and a shared clock), so all processes take the same decision."""
-    self._compiles_before = compiles.count()
+    self.stats.step_begins()
     self.decision = None
     if self._sample is not None and self.controller.cost.calibrated:
       self._sample = None
@@ -151,10 +150,9 @@ class Balancer:
           step, self.sampler.tracker.speeds, self.sampler.expected_remaining_s(),
           self.sampler.step_s, new_regime=self._new_regime)
       self._new_regime = False
-      self.stats["decide_s"] += time.perf_counter() - t0
-      self.stats["decisions"] += 1
+      self.stats.add(decide_s=time.perf_counter() - t0, decisions=1)
       if self.decision.changed:
-        self.stats["changes"] += 1
+        self.stats.add(changes=1)
         logging.info("balance before step %d: %s", step + 1, self.decision.reason)
       if self.decision.moves:
         state = self._migrate(state, self.decision.setup.owned)
@@ -163,7 +161,7 @@ class Balancer:
     plan, executed = self._plan(step)
     if self.emulator is not None:
       self.delay_s = self.emulator.delay_s(step, executed)
-    self.stats["single_width_steps"] += all(len(w) == 1 for _, w in plan.widths)
+    self.stats.add(single_width_steps=all(len(w) == 1 for _, w in plan.widths))
     return state, plan
 
   def _plan(self, step: int):
@@ -186,8 +184,7 @@ class Balancer:
     new = self.buckets.target(self.layout, counts)
     state, seconds = self.mover.timed_move(
         state, self.layout, new, None if self.resizer is None else self.resizer.priority)
-    self.stats["migrations"] += 1
-    self.stats["migrate_s"] += seconds
+    self.stats.add(migrations=1, migrate_s=seconds)
     self.controller.cost.observe_move(seconds)
     self.layout = new
     return state
@@ -199,22 +196,22 @@ class Balancer:
     out = {}
     if self.sampler is not None and (sample := self.sampler.after_step(step, step_s)):
       out = self._take(sample)
-    if self._compiles_before is not None:
-      self.stats["step_compiles"] += compiles.count() - self._compiles_before
+    self.stats.step_ends()
     return out
 
   def _take(self, sample: sampling_lib.Sample) -> dict:
     """A new shared speed sample: calibrates the cost model and logs the latest decision."""
     self._sample = sample
     self._new_regime |= sample.new_regime
-    self.stats["probe_s"] += sample.probe_s
-    self.stats["probes"] = self.sampler.samples
+    self.stats.add(probe_s=sample.probe_s)
+    self.stats.counts["probes"] = self.sampler.samples
     # Calibrate with this sample's speeds, measured over the same steps (the tracker's smoothed
     # speeds lag a change, and would pair the new step times with the old speeds).
     cost = self.controller.cost
     cost.observe(self.controller.setup, sample.speeds, sample.mean_s)
     out = {"balance/min_speed": float(np.min(self.sampler.tracker.speeds)),
-           "balance/measured_s": sample.mean_s, "balance/migrations": self.stats["migrations"]}
+           "balance/measured_s": sample.mean_s,
+           "balance/migrations": self.stats.counts["migrations"]}
     if self._last is not None:      # the latest decision, with what the steps since then took
       d = self._last
       out["balance/predicted_s"] = d.predicted_s.get(d.choice, d.predicted_s["current"])
@@ -258,22 +255,11 @@ class Balancer:
     self.resizer.priority.snapshot = params
 
   def summary(self, total_s: float) -> dict:
-    """Balance statistics of the run (`total_s`: wall seconds of the training steps).
-
-    `compiles_after_warmup`: XLA compilations inside training steps (deciding, migrating, the
-    step, measuring) after warm-up; `compiles_elsewhere`: the rest after warm-up (evaluation
-    and checkpoint writing, e.g. Orbax's per-device slices), outside the hot path.
-    """
-    after = None if self.compiles_at_warmup is None else compiles.count() - self.compiles_at_warmup
-    out = {"policy": self.policy.name, "compiles_after_warmup": self.stats["step_compiles"],
-           "compiles_elsewhere": None if after is None else after - self.stats["step_compiles"],
-           "move_s": None if self.controller is None else self.controller.cost.move_s,
-           "layout_counts": {k: list(u.counts) for k, u in self.layout.kinds().items()},
-           **self.stats}
-    if total_s > 0:
-      out["measure_overhead"] = self.stats["probe_s"] / total_s
-      out["decide_overhead"] = self.stats["decide_s"] / total_s
-    return out
+    """Balance statistics of the run (`stats.Stats.summary`; `total_s`: wall seconds of the
+    training steps)."""
+    return self.stats.summary(
+        self.policy.name, self.layout, compiles_at_warmup=self.compiles_at_warmup,
+        move_s=None if self.controller is None else self.controller.cost.move_s, total_s=total_s)
 
   def close(self) -> None:
     self.log.close()
