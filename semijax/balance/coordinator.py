@@ -1,6 +1,7 @@
 """The balancer of a training run: the one object the loop calls before and after each step.
 
-`Balancer` wires the parts of the balancing layer together; each does one job:
+`Balancer` wires the parts of the balancing layer together (`parts.build` makes them from a
+run's config); each does one job:
 
   policy      (`policies`) what may change and what is compiled for it;
   buckets     (`buckets`) the capacity buckets and the layout of a target split;
@@ -24,15 +25,14 @@ from __future__ import annotations
 
 import time
 
-import jax
 import numpy as np
 from absl import logging
 
 from semijax.balance import buckets as buckets_lib
 from semijax.balance import controller as controller_lib
-from semijax.balance import cost as cost_lib
 from semijax.balance import decisions as decisions_lib
 from semijax.balance import mover as mover_lib
+from semijax.balance import parts as parts_lib
 from semijax.balance import plans as plans_lib
 from semijax.balance import policies as policies_lib
 from semijax.balance import priority as priority_lib
@@ -41,20 +41,10 @@ from semijax.balance import stats as stats_lib
 from semijax.balance import warmup as warmup_lib
 from semijax.balance.cost import Setup
 from semijax.core import compiles
-from semijax.core import plan as plan_lib
 
 
-def cost_model(engine, spec, settings, resize_spec, buckets) -> cost_lib.CostModel:
-  """The cost model of a controlled run: FLOPs from the model spec, widths of the big bucket."""
-  narrow = plan_lib.uniform_widths(buckets.start)
-  return cost_lib.CostModel(
-      spec.flops_per_unit(), {k: u.widths for k, u in buckets.big.kinds().items()},
-      engine.num_units, fixed_fraction=settings.fixed_fraction,
-      repeat=settings.repeat_share, fit_repeat=settings.fit_repeat, alpha=settings.cost_alpha,
-      memory=settings.cost_memory, narrow=None if narrow is None else {
-          k: w[0] for k, w in narrow.items()},
-      resize_mode=resize_spec.mode, fractions=resize_spec.fractions,
-      gemm_flops=spec.gemm_flops_per_unit())
+# The cost model of a controlled run (`parts.cost_model`), by the name `sim.stage` calls it.
+cost_model = parts_lib.cost_model
 
 
 class Balancer:
@@ -97,36 +87,11 @@ class Balancer:
   @classmethod
   def create(cls, engine, *, settings, resize_spec, hetero, spec, layout, workdir: str | None,
              steps_per_epoch: int, seed: int, emulator=None) -> "Balancer":
-    """The balancer a run's typed config asks for.
-
-    Args:
-      engine: the run's engine; settings: `BalanceSettings`; resize_spec: `resize.ResizeSpec`;
-      hetero: `core.emulation.Hetero`; spec: `core.spec.ModelSpec`; layout: the configured
-      layout; workdir: where decisions.jsonl goes (process 0), or None; steps_per_epoch: steps
-      per pass over the data (default epoch of resizing); seed: for the random priority;
-      emulator: the emulated slowdown (`core.emulation.Emulator`), or None.
-    """
-    epoch_steps = resize_spec.epoch_steps or steps_per_epoch
-    policy = policies_lib.make(settings, resize_spec, epoch_steps)
-    buckets = policy.buckets(layout)
-    resizer = None
-    if policy.resizes:
-      priority = priority_lib.Priority(
-          resize_spec, num_layers=spec.num_layers, d_model=spec.d_model,
-          num_units=engine.num_units, unit_sizes=engine.unit_sizes,
-          num_devices=layout.num_devices, seed=seed, compiled=engine.helper_programs)
-      resizer = priority_lib.Resizer(priority, resize_spec.refresh_every or epoch_steps)
-    controller = sampler = log = None
-    if policy.controlled:
-      cost = cost_model(engine, spec, settings, resize_spec, buckets)
-      controller = controller_lib.Controller(
-          policy, settings, cost, policy.initial_setup(buckets.start),
-          buckets_lib.capacities(buckets.big), engine.unit_bytes())
-      sampler = sampling_lib.SpeedSampler(settings, hetero, engine.mesh)
-      if workdir is not None and jax.process_index() == 0:
-        log = decisions_lib.DecisionLog(workdir)
-    return cls(engine, policy, buckets, hetero, emulator=emulator, resizer=resizer,
-               controller=controller, sampler=sampler, log=log)
+    """The balancer a run's typed config asks for: its parts from `parts.build` (the same
+    arguments, `emulator` aside: the emulated slowdown, `core.emulation.Emulator`, or None)."""
+    return cls(engine, hetero=hetero, emulator=emulator, **parts_lib.build(
+        engine, settings=settings, resize_spec=resize_spec, hetero=hetero, spec=spec,
+        layout=layout, workdir=workdir, steps_per_epoch=steps_per_epoch, seed=seed))
 
   # --- per step -------------------------------------------------------------------------------
 
