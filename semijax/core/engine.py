@@ -4,7 +4,8 @@ An `Engine` holds one model definition (an NNX graphdef with logical parameter s
 (data, tensor) mesh and an optax optimizer. It
 
   * initializes parameters in logical form from a seed (so every layout starts from the same
-    model) and packs them into padded device-major arrays for a `Layout`;
+    model) and packs them into padded device-major arrays for a `Layout` (`engine_state`, mixed
+    in);
   * builds the loss under `jax.shard_map` (batch split over `data`, units over `tensor`) and the
     pure train step `(state, batch, plan) -> (state, metrics)`;
   * compiles that step ahead of time per layout *bucket* (capacities and compute widths). Owned
@@ -14,10 +15,8 @@ An `Engine` holds one model definition (an NNX graphdef with logical parameter s
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,23 +25,16 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from semijax.core import engine_state
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
-from semijax.core import migrate
 from semijax.core import plan as plan_lib
 from semijax.core import precision as precision_lib
 from semijax.core import resize as resize_lib
 from semijax.core import sharding
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("params", "opt_state"),
-                   meta_fields=())
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-  """Parameters (pure dict) and optax state; padded or logical depending on context."""
-
-  params: Any
-  opt_state: Any
+TrainState = engine_state.TrainState
 
 
 def _abstract(tree):
@@ -54,7 +46,7 @@ def _signature(tree) -> tuple:
                for k, v in jax.tree_util.tree_leaves_with_path(tree))
 
 
-class Engine:
+class Engine(engine_state.StateForms):
   """Runs one model with uneven tensor parallelism on one mesh (see module doc).
 
   Args:
@@ -63,6 +55,9 @@ class Engine:
     mesh: a (data, tensor) mesh from `mesh.make_mesh`.
     tx: the optax optimizer (applied to padded parameters; padded slots stay zero).
     strict: if True, a step for a bucket that was not compiled raises instead of compiling.
+
+  The state's forms and moves (`init`, `init_logical`, `to_padded`, `to_logical`, `move`, ...)
+  are mixed in from `engine_state.StateForms`.
   """
 
   def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], loss_terms: Callable,
@@ -92,8 +87,6 @@ class Engine:
     self.batch_sharding = NamedSharding(mesh, P(mesh_lib.DATA))
     self.feeds = mesh_lib.batch_feed(mesh)[1]     # row blocks the processes feed
     self._compiled: dict = {}
-    self._init_fn = None
-    self._migrator = None
     # Compiled programs of the balancing helpers (the resize priority's scores), kept with the
     # engine so that runs which reuse it (benchmarks) reuse them too.
     self.helper_programs: dict = {}
@@ -157,141 +150,6 @@ class Engine:
     """
     self.check_layout(layout)
     return plan_lib.make_plan(layout, self.mesh, resize=resize, offload=offload, widths=widths)
-
-  def migrator(self):
-    """This engine's `migrate.Migrator` (one per engine, so its compiled moves are reused)."""
-    if self._migrator is None:
-      self._migrator = migrate.Migrator.for_engine(self)
-    return self._migrator
-
-  # --- parameters and optimizer state ---------------------------------------------------------
-  #
-  # Two forms of one state, both sharded over `tensor` (no device ever holds all of it):
-  #   padded: in a run's layout (`Layout`), what the steps compute on;
-  #   logical: in the canonical layout (`Layout.canonical`): every unit axis in logical unit order,
-  #     zeros appended up to N*ceil(U/N) units when N does not divide U. It is layout-independent
-  #     (checkpoints hold it) and, as a padded form itself, it moves to and from any layout with
-  #     the migration collective, group by group (`migrate.Migrator.move_groups`).
-
-  @property
-  def logical_layout(self) -> layout_lib.Layout:
-    """The canonical layout of the sharded logical form (see above)."""
-    return layout_lib.Layout.canonical(self.num_units, self.tensor_size)
-
-  def _init_logical(self, seed) -> TrainState:
-    """The logical state from `seed` (an int or a key), unit axes padded to the canonical
-    layout's slots."""
-    params = nnx.to_pure_dict(nnx.split(self.model_fn(nnx.Rngs(seed)))[1])
-    state = TrainState(params, self.tx.init(params))
-    slots = {k: u.num_slots * self.unit_sizes[k] for k, u in self.logical_layout.kinds().items()}
-
-    def pad(x, a):
-      if (unit := a.unit()) is None:
-        return x
-      axis, kind = unit
-      widths = [(0, 0)] * x.ndim
-      widths[axis] = (0, slots[kind] - x.shape[axis])
-      return jnp.pad(x, widths)
-    return TrainState(jax.tree.map(pad, state.params, self.axes),
-                      sharding.map_params(self.tx, pad, state.opt_state, self.axes))
-
-  def init_logical(self, seed: int) -> TrainState:
-    """The sharded logical state from `seed` (parameters and optimizer state). Computed under
-    its output sharding, so each device builds only its share (no replicated copy). The seed's
-    key goes in as data (host numpy, the same on every process), so one program serves every
-    seed: runs that reuse an engine do not compile their initialization again."""
-    if self._init_fn is None:
-      self._init_fn = jax.jit(lambda data: self._init_logical(jax.random.wrap_key_data(data)),
-                              out_shardings=self.logical_shardings())
-    return self._init_fn(np.asarray(jax.random.key_data(jax.random.key(seed))))
-
-  def abstract_logical(self) -> TrainState:
-    """Shapes, dtypes and shardings of the sharded logical state: a restore target."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        jax.eval_shape(functools.partial(self._init_logical, 0)),
-                        self.logical_shardings())
-
-  def logical_shardings(self) -> TrainState:
-    abstract = jax.eval_shape(functools.partial(self._init_logical, 0))
-    return self.state_shardings(abstract.params)
-
-  def state_shardings(self, params_abstract) -> TrainState:
-    return TrainState(self.param_shardings,
-                      sharding.opt_shardings(self.tx, params_abstract, self.axes, self.mesh))
-
-  def tree_axes(self, tree):
-    """The `Axes` tree of a `TrainState` (moments get their parameter's axes) or of a
-    parameter-shaped tree."""
-    if isinstance(tree, TrainState):
-      return migrate.state_axes(tree, self.tx, self.axes)
-    return self.axes
-
-  def move(self, tree, old: layout_lib.Layout, new: layout_lib.Layout, *,
-           donate: bool = False, chunk="sized"):
-    """A `TrainState` (or a parameter-shaped tree) padded in `old`, padded in `new`: the
-    migration collective, one (block, kind) group of weights and moments at a time; `donate`
-    consumes `tree` group by group."""
-    self.check_layout(old)
-    self.check_layout(new)
-    moves = migrate.plan(old, new, chunk=chunk)
-    axes = self.tree_axes(tree)
-    return self.migrator().move_groups(tree, axes, moves, migrate.leaf_groups(tree, axes),
-                                       donate=donate)
-
-  def compile_moves(self, state, old: layout_lib.Layout, new: layout_lib.Layout) -> None:
-    """Compiles every migration `move` may run from `old`'s bucket to `new`'s: each unit kind's
-    group programs at every chunk size (`migrate.chunk_sizes`) and at none (nothing of that kind
-    moves). `state` is padded in `old`; `new` is a layout one small move away from it."""
-    axes = self.tree_axes(state)
-    groups = migrate.leaf_groups(state, axes)
-    mig = self.migrator()
-    # Nothing moves (K = 0): one layout's owners in both buckets (whichever bucket holds them).
-    at = lambda a, b: layout_lib.Layout(**{k: u.replace(capacity=b.kinds()[k].capacity,
-                                                        widths=b.kinds()[k].widths)
-                                           for k, u in a.kinds().items()})
-    fits = all(max(u.counts) <= new.kinds()[k].capacity for k, u in old.kinds().items())
-    options = [migrate.plan(old, at(old, new), chunk=0) if fits else
-               migrate.plan(at(new, old), new, chunk=0)]
-    sizes = {k: migrate.chunk_sizes(min(u.capacity, new.kinds()[k].capacity))
-             for k, u in old.kinds().items()}
-    for i in range(max(len(v) for v in sizes.values())):
-      options.append(migrate.plan(old, new, chunk={k: v[min(i, len(v) - 1)]
-                                                   for k, v in sizes.items()}))
-    for moves in options:
-      mig.compile_groups(state, axes, moves, groups, donate=True)
-
-  def to_padded(self, logical, layout: layout_lib.Layout, *, donate: bool = False):
-    """The logical state (params + optimizer moments, or a parameter-shaped tree) padded in
-    `layout`."""
-    return self.move(logical, self.logical_layout, layout, donate=donate)
-
-  def to_logical(self, padded, layout: layout_lib.Layout, *, donate: bool = False):
-    """A padded state (or parameter-shaped tree) of `layout` in the sharded logical form."""
-    return self.move(padded, layout, self.logical_layout, donate=donate)
-
-  def logical_arrays(self, logical) -> Any:
-    """Host numpy copies of a logical tree (params- or state-shaped) with exactly U units on
-    every unit axis (the canonical padding cut off): for tests, inspection and small models."""
-    units = {k: n * self.unit_sizes[k] for k, n in self.num_units.items()}
-    axes = self.tree_axes(logical)
-
-    def cut(x, a):
-      x = np.asarray(jax.device_get(x))
-      if (unit := a.unit()) is None:
-        return x
-      axis, kind = unit
-      return np.take(x, np.arange(units[kind]), axis=axis)
-    return jax.tree.map(cut, logical, axes)
-
-  def init(self, seed: int, layout: layout_lib.Layout) -> TrainState:
-    """A padded train state for `layout`, identical in logical form for every layout."""
-    return self.to_padded(self.init_logical(seed), layout, donate=True)
-
-  def relayout(self, state: TrainState, old: layout_lib.Layout,
-               new: layout_lib.Layout, *, donate: bool = False, chunk="sized") -> TrainState:
-    """Moves a padded state from layout `old` to layout `new` (`move`; `chunk=None`: one
-    executable serves every pair of layouts of the two buckets)."""
-    return self.move(state, old, new, donate=donate, chunk=chunk)
 
   # --- sharded computation --------------------------------------------------------------------
 
