@@ -7,7 +7,7 @@ An `Engine` holds one model definition (an NNX graphdef with logical parameter s
     model) and packs them into padded device-major arrays for a `Layout` (`engine_state`, mixed
     in);
   * builds the loss under `jax.shard_map` (batch split over `data`, units over `tensor`) and the
-    pure train step `(state, batch, plan) -> (state, metrics)`;
+    pure train step `(state, batch, plan) -> (state, metrics)` (`engine_steps`);
   * compiles that step ahead of time per layout *bucket* (capacities and compute widths). Owned
     counts and active widths are data (`plan_lib.Plan`), so changing them inside a bucket reuses the
     compiled step; `compile_count` counts the XLA compilations the engine asked for.
@@ -19,18 +19,17 @@ import logging
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from semijax.core import engine_state
+from semijax.core import engine_steps
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import plan as plan_lib
 from semijax.core import precision as precision_lib
-from semijax.core import resize as resize_lib
 from semijax.core import sharding
 
 
@@ -57,7 +56,8 @@ class Engine(engine_state.StateForms):
     strict: if True, a step for a bucket that was not compiled raises instead of compiling.
 
   The state's forms and moves (`init`, `init_logical`, `to_padded`, `to_logical`, `move`, ...)
-  are mixed in from `engine_state.StateForms`.
+  are mixed in from `engine_state.StateForms`; the traceable loss and steps are `steps`
+  (`engine_steps.StepFunctions`), which the methods below call.
   """
 
   def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], loss_terms: Callable,
@@ -91,7 +91,8 @@ class Engine(engine_state.StateForms):
     # engine so that runs which reuse it (benchmarks) reuse them too.
     self.helper_programs: dict = {}
     self.compile_count = 0
-    self.trace_count = 0
+    self.steps = engine_steps.StepFunctions(self.graphdef, loss_terms, self.input_key, self.axes,
+                                            self.unit_sizes, mesh, tx)
 
   # --- layouts --------------------------------------------------------------------------------
 
@@ -151,7 +152,7 @@ class Engine(engine_state.StateForms):
     self.check_layout(layout)
     return plan_lib.make_plan(layout, self.mesh, resize=resize, offload=offload, widths=widths)
 
-  # --- sharded computation --------------------------------------------------------------------
+  # --- sharded computation (`engine_steps.StepFunctions`) -------------------------------------
 
   def shard_batch(self, batch: dict) -> dict:
     """Host arrays (this process's rows of the global batch, `mesh.batch_feed`) -> arrays split
@@ -162,76 +163,27 @@ class Engine(engine_state.StateForms):
       return jax.make_array_from_process_local_data(self.batch_sharding, x, global_shape)
     return jax.tree.map(one, batch)
 
-  def _local_terms(self, params, batch, plan):
-    model = nnx.merge(self.graphdef, params)
-    terms = self.loss_terms(model(batch[self.input_key], plan), batch)
-    return jax.lax.psum(terms, mesh_lib.DATA)
-
-  def _sharded(self, fn, out_specs, params, batch, plan):
-    in_specs = (sharding.specs(self.axes), jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
-                plan_lib.plan_specs(plan))
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
-        params, batch, plan)
-
   def loss_terms_fn(self, params, batch, plan) -> dict:
     """Global {"loss_sum", "count", "correct"} of padded `params` on a sharded batch."""
-    return self._sharded(self._local_terms, P(), params, batch, plan)
+    return self.steps.loss_terms_fn(params, batch, plan)
 
   def loss(self, params, batch, plan):
     """Mean loss over the global batch, and the summed terms."""
-    terms = self.loss_terms_fn(params, batch, plan)
-    return terms["loss_sum"] / terms["count"], terms
+    return self.steps.loss(params, batch, plan)
 
   def replica_grads_and_terms(self, stacked_params, batch, plan):
-    """Each data replica's own gradients, on its own parameters: stacked_params [R, *P]
-    (global; row r on replica r's tensor group) -> (gradients [R, *P] of each replica's mean
-    loss over its own rows of `batch`, loss terms {name: [R]}). Nothing is summed over `data`
-    (the replica modes of `semijax.sync` combine them)."""
-    stacked = jax.tree.map(lambda a: P(mesh_lib.DATA, *a.spec()), self.axes)
-    in_specs = (stacked, jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
-                plan_lib.plan_specs(plan))
-
-    def local(params, batch, plan):
-      params = jax.tree.map(lambda x: x[0], params)
-      terms = self.loss_terms(nnx.merge(self.graphdef, params)(batch[self.input_key], plan),
-                              batch)
-      return jax.tree.map(lambda t: jnp.reshape(t, (1,)), terms)
-
-    def losses(stacked_params):
-      terms = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
-                            out_specs=P(mesh_lib.DATA))(stacked_params, batch, plan)
-      return jnp.sum(terms["loss_sum"] / terms["count"]), terms
-
-    (_, terms), grads = jax.value_and_grad(losses, has_aux=True)(stacked_params)
-    return grads, terms
+    """Each data replica's gradients on its own parameters [R, *P], and its loss terms {name:
+    [R]} (`engine_steps.StepFunctions.replica_grads_and_terms`)."""
+    return self.steps.replica_grads_and_terms(stacked_params, batch, plan)
 
   def logits(self, params, batch, plan) -> jax.Array:
     """Logits [global batch, ...] (batch split over data), for tests and inspection."""
-    def local(params, batch, plan):
-      return nnx.merge(self.graphdef, params)(batch[self.input_key], plan)
-    return jax.jit(lambda p, b, pl: self._sharded(local, P(mesh_lib.DATA), p, b, pl))(
-        params, batch, plan)
+    return self.steps.logits(params, batch, plan)
 
-  def _train_step(self, state: TrainState, batch, plan):
-    self.trace_count += 1
-    (loss, terms), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch, plan)
-    if plan.resize is not None:
-      masks = resize_lib.skip_masks(plan.resize, plan.active, self.axes, self.unit_sizes)
-      grads = resize_lib.impute_gradients(plan.resize, masks, grads)
-    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    if plan.resize is not None:   # optionally keep skipped weights and moments as they were
-      params = resize_lib.freeze(plan.resize, masks, params, state.params)
-      opt_masks = sharding.map_params(self.tx, lambda _, m: m, opt_state, masks,
-                                      non_params=lambda _: jnp.zeros((), bool))
-      opt_state = resize_lib.freeze(plan.resize, opt_masks, opt_state, state.opt_state)
-    metrics = {"loss": loss, "accuracy": terms["correct"] / terms["count"],
-               "grad_norm": optax.tree.norm(grads)}
-    return TrainState(params, opt_state), metrics
-
-  def _eval_step(self, params, batch, plan):
-    self.trace_count += 1
-    return self.loss_terms_fn(params, batch, plan)
+  @property
+  def trace_count(self) -> int:
+    """How many times the train and eval steps were traced."""
+    return self.steps.trace_count
 
   # --- compiled variants ----------------------------------------------------------------------
 
@@ -251,11 +203,11 @@ class Engine(engine_state.StateForms):
             f"layout.capacity: no compiled {kind} step for bucket {plan.widths} with these "
             "shapes; compile it first (Engine.compile)")
       if kind == "train":
-        jitted = jax.jit(self._train_step, donate_argnums=(0,),
+        jitted = jax.jit(self.steps.train_step, donate_argnums=(0,),
                          out_shardings=(self.state_shardings(state_or_params.params),
                                         self.replicated))
       else:
-        jitted = jax.jit(self._eval_step, out_shardings=self.replicated)
+        jitted = jax.jit(self.steps.eval_step, out_shardings=self.replicated)
       fn = jitted.lower(_abstract(state_or_params), _abstract(batch), _abstract(plan)).compile()
       self.compile_count += 1
       logging.info("compiled %s step for bucket %s (%d variants)", kind, plan.widths,

@@ -1,0 +1,113 @@
+"""The engine's sharded computation: `StepFunctions`, the loss under `jax.shard_map` (batch split
+over `data`, units over `tensor`), its gradients, and the pure train and eval steps that
+`engine_programs.StepPrograms` compiles."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from semijax.core import engine_state
+from semijax.core import mesh as mesh_lib
+from semijax.core import plan as plan_lib
+from semijax.core import resize as resize_lib
+from semijax.core import sharding
+
+
+class StepFunctions:
+  """The traceable functions of one model on one mesh: loss, gradients and steps on padded
+  parameters and a batch split over `data`.
+
+  Args:
+    graphdef: the model's NNX graphdef.
+    loss_terms: (logits, batch) -> {"loss_sum", "count", "correct"} local sums (`tasks`).
+    input_key: the batch entry the model reads.
+    axes: the `sharding.Axes` tree of the parameters.
+    unit_sizes: {kind: width of one unit}.
+    mesh: the (data, tensor) mesh.
+    tx: the optax optimizer.
+  """
+
+  def __init__(self, graphdef, loss_terms: Callable, input_key: str, axes, unit_sizes: dict,
+               mesh: jax.sharding.Mesh, tx: optax.GradientTransformation):
+    self.graphdef, self.loss_terms, self.input_key = graphdef, loss_terms, input_key
+    self.axes, self.unit_sizes, self.mesh, self.tx = axes, unit_sizes, mesh, tx
+    self.trace_count = 0     # traces of the train and eval steps
+
+  def _local_terms(self, params, batch, plan):
+    model = nnx.merge(self.graphdef, params)
+    terms = self.loss_terms(model(batch[self.input_key], plan), batch)
+    return jax.lax.psum(terms, mesh_lib.DATA)
+
+  def _sharded(self, fn, out_specs, params, batch, plan):
+    in_specs = (sharding.specs(self.axes), jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
+                plan_lib.plan_specs(plan))
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
+        params, batch, plan)
+
+  def loss_terms_fn(self, params, batch, plan) -> dict:
+    """Global {"loss_sum", "count", "correct"} of padded `params` on a sharded batch."""
+    return self._sharded(self._local_terms, P(), params, batch, plan)
+
+  def loss(self, params, batch, plan):
+    """Mean loss over the global batch, and the summed terms."""
+    terms = self.loss_terms_fn(params, batch, plan)
+    return terms["loss_sum"] / terms["count"], terms
+
+  def replica_grads_and_terms(self, stacked_params, batch, plan):
+    """Each data replica's own gradients, on its own parameters: stacked_params [R, *P]
+    (global; row r on replica r's tensor group) -> (gradients [R, *P] of each replica's mean
+    loss over its own rows of `batch`, loss terms {name: [R]}). Nothing is summed over `data`
+    (the replica modes of `semijax.sync` combine them)."""
+    stacked = jax.tree.map(lambda a: P(mesh_lib.DATA, *a.spec()), self.axes)
+    in_specs = (stacked, jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
+                plan_lib.plan_specs(plan))
+
+    def local(params, batch, plan):
+      params = jax.tree.map(lambda x: x[0], params)
+      terms = self.loss_terms(nnx.merge(self.graphdef, params)(batch[self.input_key], plan),
+                              batch)
+      return jax.tree.map(lambda t: jnp.reshape(t, (1,)), terms)
+
+    def losses(stacked_params):
+      terms = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
+                            out_specs=P(mesh_lib.DATA))(stacked_params, batch, plan)
+      return jnp.sum(terms["loss_sum"] / terms["count"]), terms
+
+    (_, terms), grads = jax.value_and_grad(losses, has_aux=True)(stacked_params)
+    return grads, terms
+
+  def logits(self, params, batch, plan) -> jax.Array:
+    """Logits [global batch, ...] (batch split over data), for tests and inspection."""
+    def local(params, batch, plan):
+      return nnx.merge(self.graphdef, params)(batch[self.input_key], plan)
+    return jax.jit(lambda p, b, pl: self._sharded(local, P(mesh_lib.DATA), p, b, pl))(
+        params, batch, plan)
+
+  def train_step(self, state: engine_state.TrainState, batch, plan):
+    """The pure train step: (padded state, sharded batch, plan) -> (new state, metrics)."""
+    self.trace_count += 1
+    (loss, terms), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch, plan)
+    if plan.resize is not None:
+      masks = resize_lib.skip_masks(plan.resize, plan.active, self.axes, self.unit_sizes)
+      grads = resize_lib.impute_gradients(plan.resize, masks, grads)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if plan.resize is not None:   # optionally keep skipped weights and moments as they were
+      params = resize_lib.freeze(plan.resize, masks, params, state.params)
+      opt_masks = sharding.map_params(self.tx, lambda _, m: m, opt_state, masks,
+                                      non_params=lambda _: jnp.zeros((), bool))
+      opt_state = resize_lib.freeze(plan.resize, opt_masks, opt_state, state.opt_state)
+    metrics = {"loss": loss, "accuracy": terms["correct"] / terms["count"],
+               "grad_norm": optax.tree.norm(grads)}
+    return engine_state.TrainState(params, opt_state), metrics
+
+  def eval_step(self, params, batch, plan):
+    """The pure eval step: (padded params, sharded batch, plan) -> summed loss terms."""
+    self.trace_count += 1
+    return self.loss_terms_fn(params, batch, plan)
