@@ -10,12 +10,12 @@ An `Engine` holds one model definition (an NNX graphdef with logical parameter s
     pure train step `(state, batch, plan) -> (state, metrics)` (`engine_steps`);
   * compiles that step ahead of time per layout *bucket* (capacities and compute widths). Owned
     counts and active widths are data (`plan_lib.Plan`), so changing them inside a bucket reuses the
-    compiled step; `compile_count` counts the XLA compilations the engine asked for.
+    compiled step; `compile_count` counts the XLA compilations the engine asked for
+    (`engine_programs`).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import jax
@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from semijax.core import engine_programs
 from semijax.core import engine_state
 from semijax.core import engine_steps
 from semijax.core import layout as layout_lib
@@ -32,17 +33,7 @@ from semijax.core import plan as plan_lib
 from semijax.core import precision as precision_lib
 from semijax.core import sharding
 
-
 TrainState = engine_state.TrainState
-
-
-def _abstract(tree):
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-
-
-def _signature(tree) -> tuple:
-  return tuple((jax.tree_util.keystr(k), tuple(v.shape), str(v.dtype))
-               for k, v in jax.tree_util.tree_leaves_with_path(tree))
 
 
 class Engine(engine_state.StateForms):
@@ -57,7 +48,8 @@ class Engine(engine_state.StateForms):
 
   The state's forms and moves (`init`, `init_logical`, `to_padded`, `to_logical`, `move`, ...)
   are mixed in from `engine_state.StateForms`; the traceable loss and steps are `steps`
-  (`engine_steps.StepFunctions`), which the methods below call.
+  (`engine_steps.StepFunctions`) and their compiled variants `programs`
+  (`engine_programs.StepPrograms`), which the methods below call.
   """
 
   def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], loss_terms: Callable,
@@ -80,19 +72,18 @@ class Engine(engine_state.StateForms):
     blocks = [sharding.block_index(path) for path, _ in
               jax.tree_util.tree_leaves_with_path(self.axes)]
     self.num_layers = 1 + max((b for b in blocks if b is not None), default=0)
-    self.strict = strict
-    self._exercised: set = set()
     self.param_shardings = sharding.shardings(self.axes, mesh)
     self.replicated = NamedSharding(mesh, P())
     self.batch_sharding = NamedSharding(mesh, P(mesh_lib.DATA))
     self.feeds = mesh_lib.batch_feed(mesh)[1]     # row blocks the processes feed
-    self._compiled: dict = {}
     # Compiled programs of the balancing helpers (the resize priority's scores), kept with the
     # engine so that runs which reuse it (benchmarks) reuse them too.
     self.helper_programs: dict = {}
-    self.compile_count = 0
     self.steps = engine_steps.StepFunctions(self.graphdef, loss_terms, self.input_key, self.axes,
                                             self.unit_sizes, mesh, tx)
+    self.programs = engine_programs.StepPrograms(
+        self.steps.train_step, self.steps.eval_step, self.state_shardings, self.replicated, mesh,
+        strict=strict)
 
   # --- layouts --------------------------------------------------------------------------------
 
@@ -185,61 +176,36 @@ class Engine(engine_state.StateForms):
     """How many times the train and eval steps were traced."""
     return self.steps.trace_count
 
-  # --- compiled variants ----------------------------------------------------------------------
-
-  def _key(self, kind, state_or_params, plan, batch):
-    # The plan's tree structure holds its static parts (widths, emulation, resize settings);
-    # the parameter shapes hold the capacity (a narrowed plan's widths need not end at it).
-    params = state_or_params.params if kind == "train" else state_or_params
-    return (kind, tuple(x.shape for x in jax.tree.leaves(params)), jax.tree.structure(plan),
-            _signature(plan), _signature(batch))
-
-  def _compiled_fn(self, kind, state_or_params, batch, plan):
-    key = self._key(kind, state_or_params, plan, batch)
-    fn = self._compiled.get(key)
-    if fn is None:
-      if self.strict:
-        raise layout_lib.LayoutError(
-            f"layout.capacity: no compiled {kind} step for bucket {plan.widths} with these "
-            "shapes; compile it first (Engine.compile)")
-      if kind == "train":
-        jitted = jax.jit(self.steps.train_step, donate_argnums=(0,),
-                         out_shardings=(self.state_shardings(state_or_params.params),
-                                        self.replicated))
-      else:
-        jitted = jax.jit(self.steps.eval_step, out_shardings=self.replicated)
-      fn = jitted.lower(_abstract(state_or_params), _abstract(batch), _abstract(plan)).compile()
-      self.compile_count += 1
-      logging.info("compiled %s step for bucket %s (%d variants)", kind, plan.widths,
-                   len(self._compiled) + 1)
-      self._compiled[key] = fn
-    return fn
+  # --- compiled variants (`engine_programs.StepPrograms`) -------------------------------------
 
   def compile(self, state: TrainState, batch, plan: plan_lib.Plan, eval_batch=None) -> None:
     """Compiles (ahead of time) the train and eval steps for this state/batch/plan bucket."""
-    self._compiled_fn("train", state, batch, plan)
-    self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch,
-                      plan.exact())
+    self.programs.compile(state, batch, plan, eval_batch)
 
   def exercise(self, state: TrainState, batch, plan: plan_lib.Plan) -> None:
-    """Runs every branch of `plan`'s compiled train step once (`plan_lib.branch_plans`) on a
-    throwaway copy of `state`, so that their one-time first-run cost falls here, not in a timed
-    step. Each compiled step is exercised once per engine; `state` is left as it is."""
-    key = self._key("train", state, plan, batch)
-    if key in self._exercised:
-      return
-    step = self._compiled_fn("train", state, batch, plan)
-    for p in plan_lib.branch_plans(plan, self.mesh):
-      scratch = jax.tree.map(lambda x: x.copy(), state)
-      jax.block_until_ready(step(scratch, batch, p))
-    self._exercised.add(key)
+    """Runs every branch of `plan`'s compiled train step once on a throwaway copy of `state`
+    (`engine_programs.StepPrograms.exercise`); once per compiled step, `state` left as it is."""
+    self.programs.exercise(state, batch, plan)
 
   def train_step(self, state: TrainState, batch, plan: plan_lib.Plan):
     """One optimizer step; `state` is donated. Returns (new state, metrics dict of scalars)."""
-    return self._compiled_fn("train", state, batch, plan)(state, batch, plan)
+    return self.programs.train_step(state, batch, plan)
 
   def eval_terms(self, params, batch, plan: plan_lib.Plan) -> dict:
     """Summed loss terms of one evaluation batch; evaluation is exact (`plan.resize` ignored,
     `plan.offload` kept: it is exact)."""
-    plan = plan.exact()   # evaluation never resizes
-    return self._compiled_fn("eval", params, batch, plan)(params, batch, plan)
+    return self.programs.eval_terms(params, batch, plan)
+
+  def _compiled_fn(self, kind, state_or_params, batch, plan):
+    # benchmarks/breakdown reads the compiled train step's HLO.
+    return self.programs.compiled_fn(kind, state_or_params, batch, plan)
+
+  @property
+  def compile_count(self) -> int:
+    """How many XLA compilations of a step the engine asked for."""
+    return self.programs.compile_count
+
+  @property
+  def strict(self) -> bool:
+    """Whether a step for a bucket that was not compiled raises instead of compiling."""
+    return self.programs.strict

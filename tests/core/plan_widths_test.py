@@ -80,9 +80,9 @@ def test_branch_plans_take_every_branch_and_exercise_leaves_the_state():
   before = jax.device_get(state)
   eng.exercise(state, batch, plan)
   helpers.assert_trees_close(jax.device_get(state), before, atol=0, rtol=0)
-  assert len(eng._exercised) == 1
+  assert len(eng.programs._exercised) == 1
   eng.exercise(state, batch, plan)          # once per compiled step
-  assert len(eng._exercised) == 1
+  assert len(eng.programs._exercised) == 1
 
 
 def test_one_engine_runs_the_same_widths_at_two_capacities():
