@@ -30,7 +30,6 @@ padded to the longest with idle ticks.
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from typing import Any, Callable, Sequence
@@ -46,30 +45,21 @@ from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import migrate
 from semijax.core import pipeline_layout
+from semijax.core import pipeline_model
+from semijax.core import pipeline_state
 from semijax.core import plan as plan_lib
 from semijax.core import schedule as schedule_lib
 from semijax.core import sharding
 from semijax.core.engine import TrainState
-from semijax.errors import LayoutError
 
 DATA, PIPE, TENSOR = mesh_lib.DATA, mesh_lib.PIPE, mesh_lib.TENSOR
 LAYERS = layout_lib.LAYERS
-SHARED, STACK = "shared", "stack"      # the two subtrees of pipelined parameters (module doc)
+SHARED, STACK = pipeline_model.SHARED, pipeline_model.STACK
 PipeLayout = pipeline_layout.PipeLayout          # the names callers import from here
 PipePlan = pipeline_layout.PipePlan
 
 
 # --- the engine ---------------------------------------------------------------------------------
-
-
-def _without_blocks(tree: dict) -> dict:
-  out = dict(tree)
-  out["encoder"] = {k: v for k, v in tree["encoder"].items() if k != "blocks"}
-  return out
-
-
-def _stack_axes(a: sharding.Axes) -> sharding.Axes:
-  return sharding.Axes((LAYERS,) + tuple(a.names))
 
 
 def _vary(x, axes):
@@ -110,60 +100,31 @@ class PipelineEngine:
     if schedule not in schedule_lib.SCHEDULES:
       raise ValueError(f"pipeline.schedule: {schedule!r} is not one of "
                        f"{list(schedule_lib.SCHEDULES)}")
-    abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
-    self.graphdef, abstract_state = nnx.split(abstract)
-    self.block_graphdef = nnx.split(abstract.encoder.blocks[0])[0]
+    self.parts = parts = pipeline_model.PipeModel.of(model_fn)
     self.model_fn, self.loss_terms, self.mesh, self.tx = model_fn, loss_terms, mesh, tx
     self.schedule, self.microbatches = schedule, int(microbatches)
-    full_axes = sharding.axes_tree(abstract_state)
-    self.block_axes = full_axes["encoder"]["blocks"][0]
-    self.axes = {SHARED: _without_blocks(full_axes),
-                 STACK: jax.tree.map(_stack_axes, self.block_axes)}
-    self.num_layers = len(full_axes["encoder"]["blocks"])
-    self.input_key = abstract.input_key
-    self.unit_sizes = abstract.unit_sizes()
-    self.num_units = self._num_units(abstract_state)
+    self.graphdef, self.block_graphdef = parts.graphdef, parts.block_graphdef
+    self.block_axes, self.axes = parts.block_axes, parts.axes
+    self.num_layers, self.input_key = parts.num_layers, parts.input_key
+    self.unit_sizes, self.num_units = parts.unit_sizes, parts.num_units
     self.stages, self.tensor_size = mesh.shape[PIPE], mesh.shape[TENSOR]
     self.data_size = mesh.shape[DATA]
-    self.param_shardings = sharding.shardings(self.axes, mesh)
+    self.states = pipeline_state.PipeStates(parts, mesh, tx)
+    self.param_shardings = self.states.param_shardings
     self.replicated = NamedSharding(mesh, P())
     self.batch_sharding = NamedSharding(mesh, P(DATA))
-    self._migrator = None
     self._compiled: dict = {}
     self.compile_count = 0
-
-  def _num_units(self, abstract_state) -> dict:
-    shapes = nnx.to_pure_dict(jax.tree.map(lambda v: v.shape, abstract_state,
-                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    block = shapes["encoder"]["blocks"][0]
-    out = {}
-    for a, shape in zip(jax.tree.leaves(self.block_axes),
-                        jax.tree.leaves(block, is_leaf=lambda x: isinstance(x, tuple))):
-      if (unit := a.unit()) is not None:
-        axis, kind = unit
-        out[kind] = shape[axis] // self.unit_sizes[kind]
-    return out
 
   # --- layouts ----------------------------------------------------------------------------------
 
   @property
   def logical_layout(self) -> PipeLayout:
-    return PipeLayout.canonical(self.num_layers, self.num_units, self.stages, self.tensor_size)
+    return self.states.logical_layout
 
   def check_layout(self, layout: PipeLayout) -> None:
     """Raises LayoutError unless `layout` fits this model and mesh."""
-    if layout.stages != self.stages or layout.layers.num_units != self.num_layers:
-      raise LayoutError(f"layout.layers: {layout.layers.num_units} layers on {layout.stages} "
-                        f"stages, but the model has {self.num_layers} on mesh.pipe = "
-                        f"{self.stages}")
-    for s, u in enumerate(layout.units):
-      if u.num_devices != self.tensor_size:
-        raise LayoutError(f"layout.units[{s}]: {u.num_devices} devices, but mesh.tensor = "
-                          f"{self.tensor_size}")
-      for kind, k in u.kinds().items():
-        if k.num_units != self.num_units[kind]:
-          raise LayoutError(f"layout.units[{s}].{kind}: {k.num_units} units, but the model has "
-                            f"{self.num_units[kind]}")
+    self.states.check_layout(layout)
 
   def plan(self, layout: PipeLayout, microbatches: Sequence[int] | None = None) -> PipePlan:
     """The device-placed plan of a step in `layout`; `microbatches`: per data replica (default
@@ -185,121 +146,48 @@ class PipelineEngine:
                     put(table, P(DATA)),
                     tuple((k, u.widths) for k, u in layout.units[0].kinds().items()))
 
-  # --- state forms ------------------------------------------------------------------------------
-
-  def _logical_init(self, seed: int) -> TrainState:
-    """The canonical logical state from `seed` (see module doc), padded with zero rows/units."""
-    full = nnx.to_pure_dict(nnx.split(self.model_fn(nnx.Rngs(seed)))[1])
-    blocks = [full["encoder"]["blocks"][i] for i in range(self.num_layers)]
-    canon = self.logical_layout
-    rows = canon.layers.num_slots
-    unit_slots = {k: u.num_slots * self.unit_sizes[k] for k, u in canon.units[0].kinds().items()}
-
-    def stack(*xs, a):
-      x = jnp.stack(xs)
-      widths = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
-      if (unit := a.unit()) is not None:
-        axis, kind = unit
-        widths[axis + 1] = (0, unit_slots[kind] - x.shape[axis + 1])
-      return jnp.pad(x, widths)
-
-    stacked = jax.tree.map(lambda a, *xs: stack(*xs, a=a), self.block_axes, *blocks)
-    params = {SHARED: _without_blocks(full), STACK: stacked}
-    return TrainState(params, self.tx.init(params))
+  # --- state forms (`pipeline_state.PipeStates`) ------------------------------------------------
 
   def logical_shardings(self) -> TrainState:
-    return self.state_shardings(jax.eval_shape(functools.partial(self._logical_init, 0)).params)
+    return self.states.logical_shardings()
 
   def init_logical(self, seed: int) -> TrainState:
     """The sharded logical state from `seed`, built under its sharding (no replicated copy)."""
-    return jax.jit(functools.partial(self._logical_init, seed),
-                   out_shardings=self.logical_shardings())()
+    return self.states.init_logical(seed)
 
   def abstract_logical(self) -> TrainState:
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        jax.eval_shape(functools.partial(self._logical_init, 0)),
-                        self.logical_shardings())
+    return self.states.abstract_logical()
 
   def local_bytes(self, layout: PipeLayout) -> tuple[float, float]:
-    """(block, replicated): parameter bytes one device holds in `layout` (its stage's layer
-    slots, each with its kind's unit capacity, and the replicated embedding, norm and head)."""
-    params = self.abstract_logical().params
-    stack = 0.0
-    for a, x in zip(jax.tree.leaves(self.block_axes), jax.tree.leaves(params[STACK])):
-      shape = list(x.shape[1:])
-      if (unit := a.unit()) is not None:
-        axis, kind = unit
-        shape[axis] = layout.units[0].kinds()[kind].capacity * self.unit_sizes[kind]
-      stack += layout.layers.capacity * float(np.prod(shape)) * x.dtype.itemsize
-    shared = sum(float(np.prod(x.shape)) * x.dtype.itemsize
-                 for x in jax.tree.leaves(params[SHARED]))
-    return stack, shared
+    """(block, replicated): parameter bytes one device holds in `layout`."""
+    return self.states.local_bytes(layout)
 
   def tree_axes(self, tree):
-    if isinstance(tree, TrainState):
-      return migrate.state_axes(tree, self.tx, self.axes)
-    return self.axes
+    return self.states.tree_axes(tree)
 
   def migrator(self) -> migrate.Migrator:
-    if self._migrator is None:
-      self._migrator = migrate.Migrator(self.mesh, self.unit_sizes)
-    return self._migrator
+    return self.states.migrator()
 
   def move(self, tree, old: PipeLayout, new: PipeLayout, *, donate: bool = False):
-    """A state (or parameter-shaped tree) padded in `old`, padded in `new`: each stage's units
-    to the canonical layout, the layers that change stage over `pipe`, then each stage's units to
-    their new layout (steps that change nothing are skipped), leaf by leaf."""
-    self.check_layout(old)
-    self.check_layout(new)
-    axes = self.tree_axes(tree)
-    mig = self.migrator()
-    canon = self.logical_layout.units[0]
-    run = lambda t, moves, kinds, first: mig.move_groups(
-        t, axes, moves, migrate.leaf_groups(t, axes, kinds, by_leaf=True),
-        donate=donate or not first)
-    first = True
-    if old.layers != new.layers:
-      if any(u != canon for u in old.units):
-        tree = run(tree, migrate.plan_stages(old.units, (canon,) * old.stages),
-                   layout_lib.KINDS, first)
-        first = False
-      tree = run(tree, migrate.plan_layers(old.layers, new.layers), (LAYERS,), first)
-      first = False
-      old = old.with_units((canon,) * old.stages)
-    if old.units != new.units:
-      tree = run(tree, migrate.plan_stages(old.units, new.units), layout_lib.KINDS, first)
-    elif first and not donate:
-      tree = jax.tree.map(lambda x: x.copy(), tree)
-    return tree
+    """A state (or parameter-shaped tree) padded in `old`, padded in `new`."""
+    return self.states.move(tree, old, new, donate=donate)
 
   def to_padded(self, logical, layout: PipeLayout, *, donate: bool = False):
-    return self.move(logical, self.logical_layout, layout, donate=donate)
+    return self.states.to_padded(logical, layout, donate=donate)
 
   def to_logical(self, padded, layout: PipeLayout, *, donate: bool = False):
-    return self.move(padded, layout, self.logical_layout, donate=donate)
+    return self.states.to_logical(padded, layout, donate=donate)
 
   def init(self, seed: int, layout: PipeLayout) -> TrainState:
-    return self.to_padded(self.init_logical(seed), layout, donate=True)
+    return self.states.init(seed, layout)
 
   def logical_arrays(self, logical) -> Any:
-    """Host numpy copies of a logical tree in the unpipelined model's form: {"encoder":
-    {"blocks": {0: ..., ...}, ...}, ...} with exactly U units per unit axis."""
-    params = logical.params if isinstance(logical, TrainState) else logical
-    units = {k: n * self.unit_sizes[k] for k, n in self.num_units.items()}
+    """Host numpy copies of a logical tree in the unpipelined model's form."""
+    return self.states.logical_arrays(logical)
 
-    def cut(x, a, layer):
-      x = np.asarray(jax.device_get(x))[layer]
-      if (unit := a.unit()) is None:
-        return x
-      axis, kind = unit
-      return np.take(x, np.arange(units[kind]), axis=axis)
-
-    out = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params[SHARED])
-    out = copy.deepcopy(out)
-    out["encoder"]["blocks"] = {
-        l: jax.tree.map(lambda x, a, l=l: cut(x, a, l), params[STACK], self.block_axes)
-        for l in range(self.num_layers)}
-    return out
+  def state_shardings(self, params_abstract) -> TrainState:
+    """Shardings of a padded train state with parameters shaped like `params_abstract`."""
+    return self.states.state_shardings(params_abstract)
 
   # --- the sharded step ---------------------------------------------------------------------------
 
@@ -339,13 +227,7 @@ class PipelineEngine:
     return "targets" if "targets" in batch else "labels"
 
   def _shared_model(self, shared):
-    """The model with `shared` parameters (its blocks' parameters are placeholders: only
-    `stem` and `head_out` run on it)."""
-    state = copy.copy(shared)
-    state["encoder"] = dict(shared["encoder"])
-    dummy = jax.tree.map(lambda _: jnp.zeros(()), self.block_axes)
-    state["encoder"]["blocks"] = {i: dummy for i in range(self.num_layers)}
-    return nnx.merge(self.graphdef, state)
+    return self.parts.shared_model(shared)
 
   def _stage(self, stack, count, plan, x):
     """Runs this stage's layer slots on x [mb, seq, d_model]; slots >= count are skipped."""
@@ -515,11 +397,6 @@ class PipelineEngine:
   def compile(self, state: TrainState, batch, pplan: PipePlan, eval_batch=None) -> None:
     self._compiled_fn("train", state, batch, pplan)
     self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch, pplan)
-
-  def state_shardings(self, params_abstract) -> TrainState:
-    """Shardings of a padded train state with parameters shaped like `params_abstract`."""
-    return TrainState(self.param_shardings,
-                      sharding.opt_shardings(self.tx, params_abstract, self.axes, self.mesh))
 
   def shard_batch(self, batch: dict) -> dict:
     """`arrange_batch` with `self.microbatches` microbatches for every pipeline (the replica
