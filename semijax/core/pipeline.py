@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import migrate
+from semijax.core import pipeline_batch
 from semijax.core import pipeline_layout
 from semijax.core import pipeline_model
 from semijax.core import pipeline_state
@@ -195,36 +196,8 @@ class PipelineEngine:
     """Host arrays of the global batch (sum(microbatches) * microbatch rows, in order) -> arrays
     [data * M * microbatch, ...] split over `data`: replica d gets its `microbatches[d]`
     microbatches, the rest zeros with weight 0 (M = `self.microbatches`)."""
-    rows = len(next(iter(batch.values())))
-    total = sum(microbatches)
-    if rows % total:
-      raise ValueError(f"pipeline.microbatches: {rows} examples do not split into "
-                       f"{total} microbatches of one size")
-    mb = rows // total
-    weights_key = "weights"
-    target = self._target_key(batch)
-    out = {k: [] for k in batch}
-    weights = []
-    start = 0
-    for m in microbatches:
-      take = slice(start, start + m * mb)
-      pad = (self.microbatches - m) * mb
-      for k, x in batch.items():
-        x = np.asarray(x)
-        out[k].append(np.concatenate([x[take], np.zeros((pad,) + x.shape[1:], x.dtype)]))
-      w = (np.asarray(batch[weights_key], np.float32)[take] if weights_key in batch
-           else np.ones(np.asarray(batch[target])[take].shape, np.float32))
-      weights.append(np.concatenate([w, np.zeros((pad,) + w.shape[1:], np.float32)]))
-      start += m * mb
-    arranged = {k: np.concatenate(v) for k, v in out.items()}
-    arranged[weights_key] = np.concatenate(weights)
-    # Every process holds the whole arranged batch and places the rows its devices hold.
-    return jax.tree.map(lambda x: jax.make_array_from_callback(
-        x.shape, self.batch_sharding, lambda index, x=x: x[index]), arranged)
-
-  @staticmethod
-  def _target_key(batch) -> str:
-    return "targets" if "targets" in batch else "labels"
+    return pipeline_batch.arrange(batch, microbatches, most=self.microbatches,
+                                  batch_sharding=self.batch_sharding)
 
   def _shared_model(self, shared):
     return self.parts.shared_model(shared)
