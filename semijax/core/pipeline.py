@@ -26,16 +26,18 @@ Gradients of the shared parameters are summed over `pipe` and every gradient ove
 after the last tick, outside any branch. Data-parallel pipelines may run different numbers of
 microbatches (a faster pipeline takes more of the global batch): each replica has its own table,
 padded to the longest with idle ticks.
+
+Where each part lives: `pipeline_layout` the layout and the plan of a step, `pipeline_model` the
+model's shared and stacked parts, `pipeline_state` the state forms and the moves between them,
+`pipeline_batch` the microbatched batch, `pipeline_step` the tick body, `pipeline_programs` the
+sharded, compiled programs; `PipelineEngine` (here) holds them together.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -47,10 +49,10 @@ from semijax.core import migrate
 from semijax.core import pipeline_batch
 from semijax.core import pipeline_layout
 from semijax.core import pipeline_model
+from semijax.core import pipeline_programs
 from semijax.core import pipeline_state
-from semijax.core import plan as plan_lib
+from semijax.core import pipeline_step
 from semijax.core import schedule as schedule_lib
-from semijax.core import sharding
 from semijax.core.engine import TrainState
 
 DATA, PIPE, TENSOR = mesh_lib.DATA, mesh_lib.PIPE, mesh_lib.TENSOR
@@ -60,30 +62,12 @@ PipeLayout = pipeline_layout.PipeLayout          # the names callers import from
 PipePlan = pipeline_layout.PipePlan
 
 
-# --- the engine ---------------------------------------------------------------------------------
-
-
-def _vary(x, axes):
-  """`x` typed as varying over `axes` (shard_map's check_vma), casting only what it lacks."""
-  aval = jax.typeof(x)
-  have = getattr(aval, "vma", None)
-  if have is None:
-    have = getattr(getattr(aval, "mat", None), "varying", frozenset())
-  missing = tuple(a for a in axes if a not in have)
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _invariant_over_tensor(x):
-  """`x`, equal on every tensor device, typed as such (pmax is exact on equal values)."""
-  aval = jax.typeof(x)
-  have = getattr(aval, "vma", None)
-  if have is None:
-    have = getattr(getattr(aval, "mat", None), "varying", frozenset())
-  return jax.lax.pmax(x, TENSOR) if TENSOR in have else x
-
-
 class PipelineEngine:
   """Runs one model pipelined over a (data, pipe, tensor) mesh (see module doc).
+
+  Holds the model's parts (`parts`, a `pipeline_model.PipeModel`), its state forms (`states`, a
+  `pipeline_state.PipeStates`), the tick body (`step_body`, a `pipeline_step.PipeStep`) and the
+  compiled programs (`programs`, a `pipeline_programs.PipePrograms`); its methods are theirs.
 
   Args:
     model_fn: rngs -> nnx.Module with `stem(inputs)`, `encoder.blocks`, `encoder.run_blocks`,
@@ -111,11 +95,18 @@ class PipelineEngine:
     self.stages, self.tensor_size = mesh.shape[PIPE], mesh.shape[TENSOR]
     self.data_size = mesh.shape[DATA]
     self.states = pipeline_state.PipeStates(parts, mesh, tx)
+    self.step_body = pipeline_step.PipeStep(parts, loss_terms, stages=self.stages,
+                                            schedule=schedule, microbatches=self.microbatches)
     self.param_shardings = self.states.param_shardings
-    self.replicated = NamedSharding(mesh, P())
+    self.programs = pipeline_programs.PipePrograms(self.step_body, mesh, self.axes,
+                                                   self.param_shardings, tx)
+    self.replicated = self.programs.replicated
     self.batch_sharding = NamedSharding(mesh, P(DATA))
-    self._compiled: dict = {}
-    self.compile_count = 0
+
+  @property
+  def compile_count(self) -> int:
+    """Step programs (train and eval) compiled so far."""
+    return self.programs.compile_count
 
   # --- layouts ----------------------------------------------------------------------------------
 
@@ -190,7 +181,7 @@ class PipelineEngine:
     """Shardings of a padded train state with parameters shaped like `params_abstract`."""
     return self.states.state_shardings(params_abstract)
 
-  # --- the sharded step ---------------------------------------------------------------------------
+  # --- batches (`pipeline_batch`) -----------------------------------------------------------------
 
   def arrange_batch(self, batch: dict, microbatches: Sequence[int]) -> dict:
     """Host arrays of the global batch (sum(microbatches) * microbatch rows, in order) -> arrays
@@ -199,187 +190,28 @@ class PipelineEngine:
     return pipeline_batch.arrange(batch, microbatches, most=self.microbatches,
                                   batch_sharding=self.batch_sharding)
 
-  def _shared_model(self, shared):
-    return self.parts.shared_model(shared)
-
-  def _stage(self, stack, count, plan, x):
-    """Runs this stage's layer slots on x [mb, seq, d_model]; slots >= count are skipped."""
-    def body(x, item):
-      params, slot = item
-      run = lambda x: nnx.merge(self.block_graphdef, params)(x, plan)
-      return jax.lax.cond(slot < count, run, lambda x: x, x), None
-    slots = jnp.arange(jax.tree.leaves(stack)[0].shape[0])
-    x, _ = jax.lax.scan(body, x, (stack, slots))
-    return x
-
-  def _local(self, params, batch, pplan, *, train: bool, per_replica: bool = False):
-    """The per-device body (inside shard_map): the tick loop (see module doc).
-
-    per_replica: `params` are stacked [1, *local] (this data replica's own copy), the loss is
-    normalized by this pipeline's own tokens and nothing is summed over `data`: gradients come
-    back [1, *local] and terms [1] (`replica_grads_and_terms`)."""
-    if per_replica:
-      params = jax.tree.map(lambda x: x[0], params)
-    s = jax.lax.axis_index(PIPE)
-    is_first, is_last = s == 0, s == self.stages - 1
-    m_count = self.microbatches
-    mbs = jax.tree.map(lambda x: x.reshape((m_count, -1) + x.shape[1:]), batch)
-    over_data = (lambda x: x) if per_replica else (lambda x: jax.lax.psum(x, DATA))
-    total = over_data(jnp.sum(batch["weights"]))
-    plan = plan_lib.Plan({k: v.reshape(1) for k, v in pplan.active.items()}, pplan.widths)
-    count = pplan.layers.reshape(())
-    table = jnp.take(pplan.table[0], s, axis=1)                         # [T, 2]
-    shared = jax.tree.map(lambda x: _vary(x, (DATA, PIPE)), params[SHARED])
-    stack = jax.tree.map(lambda x: _vary(x, (DATA,)), params[STACK])
-    pick = lambda m: jax.tree.map(lambda x: x[jnp.maximum(m, 0)], mbs)
-
-    def zero_terms(ref):
-      z = jnp.zeros_like(ref[(0,) * ref.ndim], jnp.float32)
-      return {"loss_sum": z, "count": z, "correct": z}
-
-    def g(shared, stack, x_in, mb):
-      """(stage output, loss terms): the embedding first, the stage's layers, the head last."""
-      model = self._shared_model(shared)
-      x0 = jax.lax.cond(is_first, lambda: model.stem(mb[self.input_key]).astype(x_in.dtype),
-                        lambda: x_in)
-      h = self._stage(stack, count, plan, x0)
-      terms = jax.lax.cond(is_last, lambda: self.loss_terms(model.head_out(h), mb),
-                           lambda: zero_terms(h))
-      return h, terms
-
-    probe = _vary(jnp.zeros_like(self._shared_model(shared).stem(pick(0)[self.input_key])),
-                  (DATA, PIPE))
-    # Stash slots: the most microbatches a stage holds between ticks (at least the one a
-    # single stage's backward reads in its forward's tick).
-    slots = max(1, int(schedule_lib.in_flight(np.asarray(schedule_lib.table(
-        self.schedule, self.stages, m_count))).max())) if train else 1
-    zeros_grads = lambda t: jax.tree.map(jnp.zeros_like, t)
-    carry = {"x": probe, "g": probe, "stash": jnp.stack([probe] * slots),
-             "terms": zero_terms(probe)}
-    if train:
-      carry["d_shared"], carry["d_stack"] = zeros_grads(shared), zeros_grads(stack)
-
-    def tick(carry, row):
-      f, b = row[0], row[1]
-      out = dict(carry)
-
-      def forward(c):
-        mb = pick(f)
-        h, terms = g(shared, stack, c["x"], mb)
-        stash = c["stash"].at[jnp.maximum(f, 0) % slots].set(c["x"]) if train else c["stash"]
-        add = terms if not train else zero_terms(h)
-        return h, stash, jax.tree.map(jnp.add, c["terms"], add)
-
-      skip_f = lambda c: (jnp.zeros_like(c["x"]), c["stash"], c["terms"])
-      h, out["stash"], out["terms"] = jax.lax.cond(f >= 0, forward, skip_f, carry)
-      dx = jnp.zeros_like(carry["g"])
-      if train:
-        def backward(c):
-          mb = pick(b)
-          x_b = c["stash"][jnp.maximum(b, 0) % slots]
-          (_, terms), vjp = jax.vjp(lambda sh, st, x: g(sh, st, x, mb), shared, stack, x_b)
-          seed = jnp.where(is_last, 1.0 / total, 0.0).astype(jnp.float32)
-          cot_terms = {k: jnp.zeros_like(v) for k, v in terms.items()}
-          cot_terms["loss_sum"] = cot_terms["loss_sum"] + seed
-          cot_h = jnp.where(is_last, jnp.zeros_like(c["g"]), c["g"])
-          d_sh, d_st, d_x = vjp((cot_h, cot_terms))
-          return (jax.tree.map(jnp.add, c["d_shared"], d_sh),
-                  jax.tree.map(jnp.add, c["d_stack"], d_st), d_x,
-                  jax.tree.map(jnp.add, c["terms"], terms))
-
-        skip_b = lambda c: (c["d_shared"], c["d_stack"], jnp.zeros_like(c["g"]), c["terms"])
-        after_f = dict(carry, stash=out["stash"], terms=out["terms"])
-        out["d_shared"], out["d_stack"], dx, out["terms"] = jax.lax.cond(
-            b >= 0, backward, skip_b, after_f)
-      if self.stages > 1:
-        out["x"] = jax.lax.ppermute(h, PIPE, [(i, i + 1) for i in range(self.stages - 1)])
-        out["g"] = jax.lax.ppermute(dx, PIPE, [(i + 1, i) for i in range(self.stages - 1)])
-      else:
-        out["x"], out["g"] = jnp.zeros_like(h), jnp.zeros_like(dx)
-      return out, None
-
-    carry, _ = jax.lax.scan(tick, carry, table)
-    terms = jax.tree.map(_invariant_over_tensor,
-                         over_data(jax.lax.psum(carry["terms"], PIPE)))
-    if not train:
-      return terms
-    d_shared = jax.tree.map(_invariant_over_tensor,
-                            over_data(jax.lax.psum(carry["d_shared"], PIPE)))
-    grads = {SHARED: d_shared, STACK: over_data(carry["d_stack"])}
-    if per_replica:
-      lead = lambda x: x[None]
-      return jax.tree.map(lead, grads), jax.tree.map(lead, terms)
-    return grads, terms
-
-  def _sharded(self, fn, out_specs, params, batch, pplan, param_specs=None):
-    plan_specs = PipePlan({k: P(PIPE, TENSOR) for k in pplan.active}, P(PIPE), P(DATA),
-                          pplan.widths)
-    param_specs = sharding.specs(self.axes) if param_specs is None else param_specs
-    in_specs = (param_specs, jax.tree.map(lambda _: P(DATA), batch), plan_specs)
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
-        params, batch, pplan)
-
-  def replica_grads_and_terms(self, stacked_params, batch, pplan):
-    """Each data-parallel pipeline's own gradients, on its own parameters: stacked_params
-    [R, *P] (global; row d on pipeline d's devices) -> (gradients [R, *P] of each pipeline's
-    mean loss over its own microbatches' tokens, loss terms {name: [R]}). Nothing is summed over
-    `data` (the replica modes of `semijax.sync` combine them)."""
-    stacked = jax.tree.map(lambda s: P(DATA, *s), sharding.specs(self.axes))
-    return self._sharded(functools.partial(self._local, train=True, per_replica=True),
-                         (stacked, P(DATA)), stacked_params, batch, pplan, param_specs=stacked)
-
-  def grads_and_terms(self, params, batch, pplan):
-    """(gradients like `params`, summed loss terms) of one step's global batch."""
-    specs = sharding.specs(self.axes)
-    return self._sharded(functools.partial(self._local, train=True), (specs, P()), params,
-                         batch, pplan)
-
-  def _train_step(self, state: TrainState, batch, pplan):
-    grads, terms = self.grads_and_terms(state.params, batch, pplan)
-    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": terms["loss_sum"] / terms["count"],
-               "accuracy": terms["correct"] / terms["count"], "grad_norm": optax.tree.norm(grads)}
-    return TrainState(params, opt_state), metrics
-
-  def _eval_terms(self, params, batch, pplan):
-    return self._sharded(functools.partial(self._local, train=False), P(), params, batch, pplan)
-
-  def _compiled_fn(self, kind, state_or_params, batch, pplan):
-    params = state_or_params.params if kind == "train" else state_or_params
-    key = (kind, tuple(x.shape for x in jax.tree.leaves(params)), jax.tree.structure(pplan),
-           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(pplan)),
-           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch)))
-    fn = self._compiled.get(key)
-    if fn is None:
-      abstract = lambda t: jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
-      if kind == "train":
-        out_sh = (TrainState(self.param_shardings, jax.tree.map(lambda x: x.sharding,
-                                                                state_or_params.opt_state)),
-                  self.replicated)
-        jitted = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=out_sh)
-      else:
-        jitted = jax.jit(self._eval_terms, out_shardings=self.replicated)
-      fn = jitted.lower(abstract(state_or_params), abstract(batch), abstract(pplan)).compile()
-      self.compile_count += 1
-      logging.info("compiled pipelined %s step (%d variants)", kind, len(self._compiled) + 1)
-      self._compiled[key] = fn
-    return fn
-
-  def compile(self, state: TrainState, batch, pplan: PipePlan, eval_batch=None) -> None:
-    self._compiled_fn("train", state, batch, pplan)
-    self._compiled_fn("eval", state.params, batch if eval_batch is None else eval_batch, pplan)
-
   def shard_batch(self, batch: dict) -> dict:
     """`arrange_batch` with `self.microbatches` microbatches for every pipeline (the replica
     modes: pipeline d takes rows [d B / R, (d + 1) B / R) of the global batch)."""
     return self.arrange_batch(batch, (self.microbatches,) * self.data_size)
 
+  # --- the sharded step (`pipeline_programs.PipePrograms`) ----------------------------------------
+
+  def replica_grads_and_terms(self, stacked_params, batch, pplan):
+    """Each data-parallel pipeline's own gradients, on its own parameters: stacked_params
+    [R, *P] -> (gradients [R, *P], loss terms {name: [R]}); nothing summed over `data`."""
+    return self.programs.replica_grads_and_terms(stacked_params, batch, pplan)
+
+  def grads_and_terms(self, params, batch, pplan):
+    """(gradients like `params`, summed loss terms) of one step's global batch."""
+    return self.programs.grads_and_terms(params, batch, pplan)
+
+  def compile(self, state: TrainState, batch, pplan: PipePlan, eval_batch=None) -> None:
+    self.programs.compile(state, batch, pplan, eval_batch)
+
   def train_step(self, state: TrainState, batch, pplan: PipePlan):
     """One optimizer step; `state` is donated. Returns (new state, metrics dict of scalars)."""
-    return self._compiled_fn("train", state, batch, pplan)(state, batch, pplan)
+    return self.programs.train_step(state, batch, pplan)
 
   def eval_terms(self, params, batch, pplan: PipePlan) -> dict:
-    return self._compiled_fn("eval", params, batch, pplan)(params, batch, pplan)
-
+    return self.programs.eval_terms(params, batch, pplan)
