@@ -223,7 +223,7 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
     return t, seconds, noise / position
 
   if any(st.sampler is not None and st.script is None for st in stages):
-    # Warm-up's timed trial step (`Balancer._trial`), at the trace's start, off the clock.
+    # Warm-up's timed trial step (`warmup.WarmUp._trial`), at the trace's start, off the clock.
     flat, links = trace.at(0, clock)
     _, seconds, times = step_time(0, [st.plan(0) for st in stages], flat.reshape(c.shape), links)
     for i, st in enumerate(stages):
