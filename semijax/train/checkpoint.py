@@ -69,9 +69,29 @@ def record_checksums(folder: str) -> None:
   os.replace(tmp, os.path.join(folder, CHECKSUMS))
 
 
+_INTACT: dict[str, tuple] = {}   # folder -> the stat of its files when it last verified
+
+
+def _stat_key(folder: str, names) -> tuple:
+  """(name, size, mtime) of `names` and the checksum record in `folder`: a folder whose key is
+  unchanged since it verified need not be read again (the run's start verifies each once)."""
+  def one(name):
+    st = os.stat(os.path.join(folder, name))
+    return name, st.st_size, st.st_mtime_ns
+  return tuple(one(n) for n in sorted(names) + [CHECKSUMS])
+
+
 def check_files(folder: str) -> str | None:
   """None if every file recorded in `folder`'s checksums is there with its size and digest;
   else what is wrong, in a few words naming the first bad file."""
+  problem = _check_files(folder)
+  if problem is None:
+    with open(os.path.join(folder, CHECKSUMS)) as f:
+      _INTACT[folder] = _stat_key(folder, json.load(f)["files"])
+  return problem
+
+
+def _check_files(folder: str) -> str | None:
   try:
     with open(os.path.join(folder, CHECKSUMS)) as f:
       files = json.load(f)["files"]
@@ -79,6 +99,11 @@ def check_files(folder: str) -> str | None:
     return "it has no checksum record (saving it was cut short)"
   except (OSError, ValueError, KeyError, TypeError):
     return f"its checksum record {CHECKSUMS} is unreadable"
+  try:
+    if _INTACT.get(folder) == _stat_key(folder, files):
+      return None
+  except (OSError, TypeError):
+    pass                                  # a file is gone: the loop below says which
   for name, (size, digest) in sorted(files.items()):
     path = os.path.join(folder, name)
     if not os.path.isfile(path):

@@ -83,11 +83,15 @@ class Update:
     self.loss, self.accuracy, self.scalars, self.evaluable = loss, accuracy, scalars, evaluable
 
 
-def _replica_loss(terms, started) -> tuple[float | None, float | None]:
-  """Mean loss and accuracy over the replicas flagged `started` of per-replica terms."""
-  if terms is None or not np.any(started):
+def replica_loss(terms, started=None) -> tuple[float | None, float | None]:
+  """Mean loss and accuracy of loss terms ({loss_sum, correct, count}, each [replicas] or a
+  scalar) over the replicas flagged `started` (default: all); (None, None) with none."""
+  if terms is None or (started is not None and not np.any(started)):
     return None, None
-  t = {k: np.asarray(v)[started] for k, v in jax.device_get(terms).items()}
+  terms = jax.device_get(terms)
+  if started is None:
+    started = np.ones(np.shape(terms["count"]), bool)
+  t = {k: np.asarray(v)[started] for k, v in terms.items()}
   return float(t["loss_sum"].sum() / t["count"].sum()), float(t["correct"].sum() / t["count"].sum())
 
 
@@ -140,7 +144,7 @@ class Rounds:
       m = jax.device_get(res.metrics)
       loss, acc = float(m["loss"]), float(m["accuracy"])
     else:
-      loss, acc = _replica_loss(res.terms, res.started)
+      loss, acc = replica_loss(res.terms, res.started)
     scalars = {"train/grad_norm": float(res.metrics["grad_norm"]),
                "sync/members": len(rnd.members), "sync/max_staleness": max(rnd.staleness),
                "sync/mean_staleness": float(np.mean(rnd.staleness)),
@@ -207,7 +211,7 @@ class LocalSGD:
     for i in range(r):
       self.microbatches[i].append(k * r + i)
     self.step += 1
-    loss, acc = _replica_loss(terms, np.ones(r, bool))
+    loss, acc = replica_loss(terms)
     outer = self.step % self.run.sync.local_steps == 0 or self.done
     if outer:
       params, self.replicas, self.momentum = self.programs.outer(state.params, self.replicas,

@@ -122,10 +122,8 @@ class ProcessReplicas:
       self.finished = True
     elif self.mode.done:             # the end came without this replica in the last rounds
       samples, self.finished = budget, True
-    metrics = {}
-    if terms is not None:
-      metrics = {"loss": float(terms["loss_sum"].sum() / terms["count"].sum()),
-                 "accuracy": float(terms["correct"].sum() / terms["count"].sum())}
+    loss, accuracy = replica_modes.replica_loss(terms)
+    metrics = {} if loss is None else {"loss": loss, "accuracy": accuracy}
     delta, self.seen = samples - self.seen, samples
     return executor_lib.StepResult(metrics, time.perf_counter() - t0,
                                    dict(scalars, **{"sync/samples": samples}), samples=delta)
