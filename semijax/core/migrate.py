@@ -43,7 +43,6 @@ import dataclasses
 import functools
 import logging
 import math
-import warnings
 from typing import Any, Sequence
 
 import jax
@@ -486,14 +485,15 @@ class Migrator:
       return jax.tree.unflatten(treedef, body(jax.tree.leaves(tree), plan))
 
     out_sh = jax.tree.unflatten(treedef, [NamedSharding(self.mesh, s) for s in leaf_specs])
-    jitted = jax.jit(run, out_shardings=out_sh, donate_argnums=(0,) if donate else ())
     abstract = lambda t: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
-    with warnings.catch_warnings():
-      # A move whose capacity changes cannot reuse its donated buffers for the output; it is
-      # donated anyway, so that the old copy is freed as soon as it has moved (`move_groups`).
-      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-      fn = jitted.lower(abstract(tree), abstract(device_plan)).compile()
+    # XLA can write the output into a donated buffer only where the shape stays: a move whose
+    # capacity changes is not donated (`move_groups` frees its old copy once it has moved).
+    out = jax.eval_shape(run, abstract(tree), abstract(device_plan))
+    donate = donate and all(a.shape == b.shape for a, b in zip(jax.tree.leaves(tree),
+                                                                jax.tree.leaves(out)))
+    jitted = jax.jit(run, out_shardings=out_sh, donate_argnums=(0,) if donate else ())
+    fn = jitted.lower(abstract(tree), abstract(device_plan)).compile()
     self.compile_count += 1
     logging.info("compiled migration %s (%d variants)", moves_key, len(self._compiled) + 1)
     self._compiled[key] = fn
@@ -525,7 +525,12 @@ class Migrator:
     device_plan = self.device_plan(moves, _kinds(axes, moves.kinds))
     fn = self._compiled_fn(tree, axes, moves, device_plan, donate)
     memory.observe(fn)
-    return fn(tree, device_plan)
+    out = fn(tree, device_plan)
+    if donate:       # freed now also where XLA could not reuse it for the output
+      for x in jax.tree.leaves(tree):
+        if not x.is_deleted():
+          x.delete()
+    return out
 
   def compile_groups(self, tree, axes, moves: Moves, groups, *, donate: bool = True) -> None:
     """Compiles (ahead of time) what `move_groups` runs for these arguments."""
@@ -559,8 +564,6 @@ class Migrator:
                    donate=donate)
       for i, x in zip(group, moved):
         out[i] = x
-        if donate and not leaves[i].is_deleted():
-          leaves[i].delete()       # freed now, even where XLA could not reuse it for the output
     return jax.tree.unflatten(treedef, out)
 
   def migrate_state(self, state, moves: Moves, tx, axes):
