@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 
 import jax
@@ -258,3 +259,19 @@ def timeline_rounds(speeds, mode="ssaw", steps=6, microbatch=2, **kw) -> list:
     rounds.append(rnd)
     line.start(speeds)
   return rounds
+
+
+def checkpoint_arrays(folder):
+  """The array data files of a checkpoint folder (Orbax's OCDBT chunks), largest first."""
+  files = glob.glob(os.path.join(folder, "state", "**", "d", "*"), recursive=True)
+  return sorted(files, key=os.path.getsize, reverse=True)
+
+
+def flip_bytes(folder):
+  """Inverts 4 bytes in the middle of the checkpoint's largest array file."""
+  path = checkpoint_arrays(folder)[0]
+  with open(path, "r+b") as f:
+    f.seek(os.path.getsize(path) // 2)
+    b = f.read(4)
+    f.seek(-4, os.SEEK_CUR)
+    f.write(bytes(x ^ 0xFF for x in b))

@@ -13,6 +13,13 @@ Each child runs in its own session (so its whole process group can be signalled)
 child exits non-zero the others get SIGTERM, then SIGKILL after `grace_s`; the result names the
 first failure and the tail of its log. Every wait is bounded: past `timeout_s` all are killed
 and a TimeoutError names the processes still running. Ctrl-C kills all.
+
+SIGTERM to the launcher (a scheduler's preemption notice) is passed on to every process, which
+saves a checkpoint at its next step boundary and exits 0 (`semijax.train.preemption`); the
+launcher waits up to `stop_s` for them (SIGKILL after that) and exits 0 when all did.
+
+On the command line, process 0's output is echoed to the launcher's console as it comes, each
+line prefixed "[0] "; every process's output is in its log file.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class LaunchResult:
     wall_s: seconds from the first start to the last exit.
     failed: id of the first process seen to exit non-zero, or None if all exited 0.
     failure_tail: the end of that process's log ("" if none failed).
+    stopped: whether a SIGTERM to the launcher stopped the processes (`StopRequested`).
   """
   returncodes: list[int]
   log_paths: list[str]
@@ -55,6 +63,7 @@ class LaunchResult:
   wall_s: float
   failed: int | None = None
   failure_tail: str = ""
+  stopped: bool = False
 
   @property
   def ok(self) -> bool:
@@ -67,6 +76,37 @@ class LaunchResult:
     return (f"process {self.failed} exited with code {self.returncodes[self.failed]} "
             f"(all codes {self.returncodes}); end of {self.log_paths[self.failed]}:\n"
             f"{self.failure_tail}")
+
+
+class StopRequested(Exception):
+  """Raised in the launcher by its SIGTERM handler (`main`): its processes are asked to save
+  and stop (SIGTERM), and given `stop_s` to do so."""
+
+
+def _raise_stop(signum, frame):
+  del signum, frame
+  raise StopRequested()
+
+
+class _Echo:
+  """Passes the complete lines a log file has gained since the last call to `out`."""
+
+  def __init__(self, path: str, out: Callable[[str], None]):
+    self.path, self.out, self.offset, self.rest = path, out, 0, b""
+
+  def __call__(self, final: bool = False) -> None:
+    try:
+      with open(self.path, "rb") as f:
+        f.seek(self.offset)
+        data = f.read()
+    except OSError:
+      return
+    self.offset += len(data)
+    *lines, self.rest = (self.rest + data).split(b"\n")
+    if final and self.rest:
+      lines, self.rest = lines + [self.rest], b""
+    for line in lines:
+      self.out(line.decode(errors="replace"))
 
 
 def child_setup(cores: Sequence[int] | None) -> Callable[[], None]:
@@ -199,7 +239,8 @@ def _tail(path: str, nbytes: int = _TAIL_BYTES) -> str:
 
 def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None = None,
            devices_per_process: int = 1, env: dict | None = None, timeout_s: float = 600,
-           log_dir: str | None = None, grace_s: float = 10) -> LaunchResult:
+           log_dir: str | None = None, grace_s: float = 10, stop_s: float = 120,
+           echo: Callable[[str], None] | None = None) -> LaunchResult:
   """Runs `argv` as `num_processes` processes of one jax.distributed job on this machine.
 
   Args:
@@ -210,7 +251,10 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
     env: variables added to this process's environment for the children.
     timeout_s: the longest the whole job may run.
     log_dir: where process{i}.log go; None = a new temporary directory.
-    grace_s: after SIGTERM, how long to wait before SIGKILL.
+    grace_s: after SIGTERM (one process failed, or a timeout), how long to wait before SIGKILL.
+    stop_s: after `StopRequested` reached the launcher, how long the processes have to save
+      and exit before SIGKILL.
+    echo: called with each line of process 0's output as it comes (None: only the log).
 
   Returns:
     A LaunchResult; `result.ok` is False if a process exited non-zero (the others were stopped).
@@ -220,6 +264,8 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
     TimeoutError: timeout_s passed; all processes were killed.
   """
   _validate(argv, num_processes, cores, devices_per_process, env, timeout_s, grace_s)
+  if not stop_s >= 0:
+    raise ValueError(f"stop_s: need >= 0, got {stop_s!r}")
   log_dir = log_dir or tempfile.mkdtemp(prefix="semijax-launch-")
   os.makedirs(log_dir, exist_ok=True)
   log_paths = [os.path.join(log_dir, f"process{i}.log") for i in range(num_processes)]
@@ -232,6 +278,8 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
 
   procs: list[subprocess.Popen] = []
   start = time.monotonic()
+  follow = _Echo(log_paths[0], echo) if echo is not None else (lambda final=False: None)
+  stopped, failed = False, None
   try:
     for i in range(num_processes):
       with open(log_paths[i], "wb") as log:   # the child keeps its own copy of the descriptor
@@ -239,7 +287,6 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
             list(argv), env=dict(base, SEMIJAX_PROCESS_ID=str(i)), stdin=subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=child_setup(cores[i] if cores else None)))
-    failed = None
     while failed is None and None in [p.poll() for p in procs]:   # poll every one
       if time.monotonic() - start > timeout_s:
         running = [i for i, p in enumerate(procs) if p.poll() is None]
@@ -247,15 +294,21 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
         raise TimeoutError(f"processes {running} still running after timeout_s="
                            f"{timeout_s:g}; killed all (logs in {log_dir})")
       failed = next((i for i, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+      follow()
       if failed is None:
         time.sleep(_POLL_S)
-    if failed is None:   # every process exited; one may have failed in the last poll
-      failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+  except StopRequested:
+    stopped = True
+    _stop_all(procs, stop_s)    # each saves at its next step boundary and exits
   finally:
     _stop_all(procs, grace_s)   # a no-op once all exited; kills all on errors and Ctrl-C
+    follow(final=True)
+  if failed is None:   # every process exited; one may have failed in the last poll
+    failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
   return LaunchResult(returncodes=[p.returncode for p in procs], log_paths=log_paths,
                       pids=[p.pid for p in procs], wall_s=time.monotonic() - start, failed=failed,
-                      failure_tail="" if failed is None else _tail(log_paths[failed]))
+                      failure_tail="" if failed is None else _tail(log_paths[failed]),
+                      stopped=stopped)
 
 
 def parse_cores(text: str) -> list[list[int]]:
@@ -276,6 +329,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--devices_per_process", type=int, default=1)
   p.add_argument("--timeout_s", type=float, default=600)
   p.add_argument("--grace_s", type=float, default=10)
+  p.add_argument("--stop_s", type=float, default=120,
+                 help="on SIGTERM, how long the processes have to save and exit")
   p.add_argument("--log_dir", default=None)
   p.add_argument("command", nargs=argparse.REMAINDER)
   return p
@@ -284,24 +339,32 @@ def parser() -> argparse.ArgumentParser:
 def main(args: list[str] | None = None) -> int:
   flags = parser().parse_args(args)
   command = flags.command[1:] if flags.command[:1] == ["--"] else flags.command
-  # SIGTERM to the launcher stops the children as Ctrl-C does (instead of leaving the kernel's
+  # SIGTERM to the launcher asks the children to save and stop (instead of leaving the kernel's
   # PDEATHSIG to SIGKILL only the group leaders).
-  signal.signal(signal.SIGTERM, signal.default_int_handler)
+  signal.signal(signal.SIGTERM, _raise_stop)
   signal.signal(signal.SIGINT, signal.default_int_handler)   # even if started with SIGINT ignored
   try:
     result = launch(command, flags.num_processes,
                     cores=parse_cores(flags.cores) if flags.cores else None,
                     devices_per_process=flags.devices_per_process, timeout_s=flags.timeout_s,
-                    log_dir=flags.log_dir, grace_s=flags.grace_s)
+                    log_dir=flags.log_dir, grace_s=flags.grace_s, stop_s=flags.stop_s,
+                    echo=lambda line: print(f"[0] {line}", flush=True))
   except (ValueError, TimeoutError) as e:
     print(f"semijax.launch: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print("semijax.launch: interrupted; stopped all processes", file=sys.stderr)
     return 130
+  except StopRequested:       # a second SIGTERM while the processes were saving
+    print("semijax.launch: SIGTERM again while stopping; killed all processes", file=sys.stderr)
+    return 143
   if not result.ok:
     print(f"semijax.launch: {result.failure_message()}", file=sys.stderr)
     return 1
+  if result.stopped:
+    print(f"semijax.launch: stopped on SIGTERM; {flags.num_processes} processes saved and "
+          f"exited 0 in {result.wall_s:.1f} s (logs: {os.path.dirname(result.log_paths[0])})")
+    return 0
   print(f"semijax.launch: {flags.num_processes} processes exited 0 in {result.wall_s:.1f} s "
         f"(logs: {os.path.dirname(result.log_paths[0])})")
   return 0

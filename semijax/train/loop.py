@@ -22,6 +22,7 @@ from semijax.train import executor as executor_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import pipeline_setup
 from semijax.train import pipelined
+from semijax.train import preemption
 from semijax.train import replica_processes
 from semijax.train import replicas
 from semijax.train import steps as steps_lib
@@ -81,7 +82,8 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
   Returns:
     {"steps", "train/loss", "val/loss", "val/accuracy", "mean_step_time_s", "<unit>_per_s",
      "step_times_s": [...], "losses": [...], "balance": {...}} for the steps run by this call;
-    {..., "already_trained": True} and no steps if the workdir's checkpoint is at config.steps.
+    {..., "already_trained": True} and no steps if the workdir's checkpoint is at config.steps;
+    {..., "preempted": step} if a SIGTERM stopped it (it saved a checkpoint at that step).
 
   Raises:
     ConfigError: bad config or data (before compiling).
@@ -98,7 +100,10 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     stack.callback(executor.close)
     if run.sync.mode != "sync":     # replicas that do not step together
       executor = _replicas(run, executor, workdir)
-    loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks)
+    stop = None        # one replica per process: no checkpoint to stop at yet
+    if not isinstance(executor, replica_processes.ProcessReplicas):
+      stop = stack.enter_context(preemption.Preemption())
+    loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks, stop)
     return loop.train(after_warmup)
 
 

@@ -17,7 +17,9 @@ Each step k (1-based; it trains on global batch k - 1) is the executor's, then: 
 record (workdir/metrics.jsonl and TensorBoard on process 0, and a progress line) every
 log_every steps, at every evaluation, at the last step and whenever the executor has something
 to say (a balancing change); a checkpoint every checkpoint_every steps and at the last; then
-the hooks (`executor.Hook`). The console (process 0) shows where the run starts, the warm-up,
+the hooks (`executor.Hook`). Asked to stop (SIGTERM; `preemption`), the run saves a
+checkpoint at the next step boundary (every process at the same step), says "preempted at step
+N" and returns; the rerun resumes there. The console (process 0) shows where the run starts, the warm-up,
 the executor's notes, progress lines and a final summary; library chatter goes to the absl log.
 The checkpoint manager and the metric writer are closed on every path out (the caller's
 `contextlib.ExitStack`), a NaN loss and an exception included.
@@ -35,6 +37,7 @@ from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import executor as executor_lib
 from semijax.train import metrics as metrics_lib
+from semijax.train import preemption as preemption_lib
 from semijax.train import steps as steps_lib
 
 say = metrics_lib.say
@@ -49,6 +52,7 @@ class Trainer:
     executor: the run's parallelism (built, not yet initialized).
     stack: closes the checkpoint manager and the metric writer when the caller is done.
     hooks: called after every step (`executor.Hook`).
+    preemption: tells at each step boundary whether to save and stop (None: never).
 
   Attributes:
     ckpt, writer, progress: the run's checkpointer, metric writer and progress line; start:
@@ -56,8 +60,10 @@ class Trainer:
   """
 
   def __init__(self, run: config_lib.RunConfig, workdir: str, executor: executor_lib.Executor,
-               stack: contextlib.ExitStack, hooks: Sequence[executor_lib.Hook] = ()):
+               stack: contextlib.ExitStack, hooks: Sequence[executor_lib.Hook] = (),
+               preemption: preemption_lib.Preemption | None = None):
     self.run, self.executor, self.hooks = run, executor, tuple(hooks)
+    self.preemption = preemption
     self.ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                             keep=run.keep_checkpoints)
     stack.callback(self.ckpt.close)
@@ -101,8 +107,9 @@ class Trainer:
 
   def train(self, after_warmup: Callable[[], None] | None = None) -> dict:
     """Warms up, runs steps from start + 1 until their samples make the run's budget (steps
-    x batch_size; `run.steps` steps of a global batch each) and returns the summary
-    (`steps.summary`'s keys and the executor's).
+    x batch_size; `run.steps` steps of a global batch each) or the run is preempted, and
+    returns the summary (`steps.summary`'s keys and the executor's; "preempted": the step it
+    saved and stopped at, if it was).
 
     Args:
       after_warmup: called once everything is compiled, right before the first step.
@@ -141,11 +148,16 @@ class Trainer:
         while next_eval * batch <= applied:
           next_eval += run.eval_every
       self._record(step, result, scalars, applied, last)
-      if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
+      preempted = self.preemption is not None and self.preemption.reached(step) and not last
+      if (run.checkpoint_every and step % run.checkpoint_every == 0) or last or preempted:
         executor.save(self.ckpt, step, {"data_position": step, "samples": applied,
                                         "model": run.model.to_dict()})
       for hook in self.hooks:
         hook(step, scalars)
+      if preempted:
+        say(f"preempted at step {step}: saved {self.ckpt.folder(step)}; rerun the same command "
+            "to continue")
+        return dict(self._summary(tally, "stopped"), preempted=step)
     return self._summary(tally)
 
   def _scalars(self, result: executor_lib.StepResult, learning_rate: float, samples: int
@@ -166,12 +178,12 @@ class Trainer:
       steps_lib.record(self.writer, self.progress, step, result.seconds,
                        samples * run.model.items_per_example, scalars, batches)
 
-  def _summary(self, tally: steps_lib.Tally) -> dict:
+  def _summary(self, tally: steps_lib.Tally, verb: str = "done") -> dict:
     unit, name = self.run.model.unit, self.executor.step_name
     base = tally.summary(self.start)
     finish = self.executor.summary(base)
     summary = dict(base, **finish.keys)
-    say(f"done: {len(base['step_times_s'])} {name}s, {summary[f'{unit}_per_s']:,.0f} {unit}/s"
+    say(f"{verb}: {len(base['step_times_s'])} {name}s, {summary[f'{unit}_per_s']:,.0f} {unit}/s"
         f"{finish.before_val}, val_loss {tally.val.get('val/loss', float('nan')):.4f}"
         f"{finish.after_val}")
     return summary

@@ -6,6 +6,7 @@ Children are real processes; every test checks that none is left behind.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,53 @@ def test_command_line_reports_failure(tmp_path):
                         env=dict(os.environ, PYTHONPATH=ROOT))
   assert done.returncode == 1
   assert "process 1 exited with code 3" in done.stderr
+  assert not any(alive(p) for p in logged_pids(tmp_path))
+
+
+STOPPABLE = ("import signal\n"
+             "def stop(*_):\n"
+             "  print('saved at', i, flush=True); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, stop)\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(60)\n")
+
+
+def launched(tmp_path, *code: str, flags=()) -> subprocess.Popen:
+  """The launcher's command line running `code` (as `by_process`), once every process's log
+  says "ready"."""
+  cmd = [PY, "-m", "semijax.runtime.launch", "--num_processes=2", f"--log_dir={tmp_path}",
+         *flags, "--"] + by_process(*(f"exec({c!r})" for c in code))
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+  deadline = time.monotonic() + 30
+  logs = [tmp_path / f"process{i}.log" for i in range(2)]
+  while not all(p.exists() and "ready" in p.read_text() for p in logs):
+    assert time.monotonic() < deadline and proc.poll() is None, "the processes did not start"
+    time.sleep(0.05)
+  return proc
+
+
+def test_command_line_passes_sigterm_on_and_echoes_process_0(tmp_path):
+  proc = launched(tmp_path, STOPPABLE,
+                  STOPPABLE.replace("'ready'", "'ready', 'one'"))
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=30)
+  assert proc.returncode == 0, err
+  lines = out.splitlines()
+  assert lines[:3] == [f"[0] pid {logged_pids(tmp_path)[0]}", "[0] ready", "[0] saved at 0"]
+  assert "ready one" not in out          # process 1 only in its log
+  assert "saved at 1" in (tmp_path / "process1.log").read_text()
+  assert "stopped on SIGTERM; 2 processes saved and exited 0" in lines[-1]
+  assert not any(alive(p) for p in logged_pids(tmp_path))
+
+
+def test_a_process_that_does_not_stop_in_stop_s_is_killed(tmp_path):
+  ignoring = STOPPABLE.replace("sys.exit(0)", "pass")
+  proc = launched(tmp_path, STOPPABLE, ignoring, flags=["--stop_s=1"])
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=30)
+  assert proc.returncode == 1
+  assert "process 1 exited with code -9" in err
   assert not any(alive(p) for p in logged_pids(tmp_path))
 
 

@@ -4,7 +4,6 @@ a save cut short) is named in one line and skipped, the run resumes from the new
 and continues as if never interrupted, and nothing is deleted; with none intact, one clear
 error. The NaN stop names the newest checkpoint that verifies."""
 
-import glob
 import math
 import os
 import re
@@ -29,10 +28,7 @@ def run(workdir, steps=6):
   return train.train_and_evaluate(c, str(workdir), engine_cache=ENGINES)
 
 
-def arrays(folder):
-  """The array data files of a checkpoint folder (Orbax's OCDBT chunks), largest first."""
-  files = glob.glob(os.path.join(folder, "state", "**", "d", "*"), recursive=True)
-  return sorted(files, key=os.path.getsize, reverse=True)
+arrays = H.checkpoint_arrays
 
 
 def truncate(folder):
@@ -41,13 +37,7 @@ def truncate(folder):
     f.truncate(os.path.getsize(path) // 2)
 
 
-def flip(folder):
-  path = arrays(folder)[0]
-  with open(path, "r+b") as f:
-    f.seek(os.path.getsize(path) // 2)
-    b = f.read(4)
-    f.seek(-4, os.SEEK_CUR)
-    f.write(bytes(x ^ 0xFF for x in b))
+flip = H.flip_bytes
 
 
 def remove(folder):

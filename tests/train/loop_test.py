@@ -1,11 +1,13 @@
 """The training loop's shared behaviour, through each kind of run (`KINDS`): a run killed
-mid-step resumes to the losses of one never interrupted, with every step in metrics.jsonl once;
+mid-step, or stopped by SIGTERM, resumes to the losses of one never interrupted, with every step
+in metrics.jsonl once;
 a non-finite loss stops the run and keeps the last good checkpoint; the hooks see every step
 once, with the scalars recorded."""
 
 import dataclasses
 import math
 import os
+import signal
 from typing import Callable
 
 import jax.numpy as jnp
@@ -103,15 +105,28 @@ def nan_at(monkeypatch, kind: Kind, call):
   monkeypatch.setattr(kind.cls, kind.method, patched)
 
 
+REFERENCES: dict = {}
+
+
+def uninterrupted(kind: str, tmp_path_factory) -> dict:
+  """The summary of `kind`'s run never interrupted (run once per kind in a worker), after
+  checking that its hooks and its metrics saw every step once, with the losses it returns."""
+  if kind not in REFERENCES:
+    seen, workdir = [], str(tmp_path_factory.mktemp("reference"))
+    reference = train.train_and_evaluate(KINDS[kind].config(), workdir,
+                                         hooks=[lambda step, s: seen.append((step, s))])
+    assert [step for step, _ in seen] == [1, 2, 3, 4, 5, 6]
+    assert [s["train/loss"] for _, s in seen] == reference["losses"]
+    assert [r["train/loss"] for r in records(workdir)] == reference["losses"]
+    REFERENCES[kind] = reference
+  return REFERENCES[kind]
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_resume_after_a_kill_continues_exactly_with_every_step_once(tmp_path, monkeypatch, kind):
+def test_resume_after_a_kill_continues_exactly_with_every_step_once(tmp_path, tmp_path_factory,
+                                                                    monkeypatch, kind):
   config = KINDS[kind].config
-  seen = []
-  reference = train.train_and_evaluate(config(), str(tmp_path / "ref"),
-                                       hooks=[lambda step, s: seen.append((step, s))])
-  assert [step for step, _ in seen] == [1, 2, 3, 4, 5, 6]
-  assert [s["train/loss"] for _, s in seen] == reference["losses"]
-  assert [r["train/loss"] for r in records(str(tmp_path / "ref"))] == reference["losses"]
+  reference = uninterrupted(kind, tmp_path_factory)
   workdir = str(tmp_path / "run")
   H.interrupted(monkeypatch, lambda: train.train_and_evaluate(config(), workdir), 4,
                 KINDS[kind].cls, KINDS[kind].method)    # checkpoint at 3, killed during step 5
@@ -147,3 +162,27 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, m
     ckpt.close()
   assert meta["data_position"] == 3
   assert all(np.isfinite(np.asarray(x)).all() for x in H.jax.tree.leaves(state.params))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_sigterm_saves_at_the_next_step_and_the_rerun_continues_exactly(tmp_path,
+                                                                        tmp_path_factory, kind):
+  config = KINDS[kind].config
+  reference = uninterrupted(kind, tmp_path_factory)
+  workdir = str(tmp_path / "run")
+
+  def terminate_after_3(step, scalars):
+    if step == 3:
+      os.kill(os.getpid(), signal.SIGTERM)     # the handler notes it; the run goes on to step 4
+
+  stopped = train.train_and_evaluate(config(), workdir, hooks=[terminate_after_3])
+  assert stopped["preempted"] == 4 and stopped["steps"] == 4
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL      # the handler was put back
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints")), key=int) == ["3", "4"]
+  np.testing.assert_allclose(stopped["losses"], reference["losses"][:4], rtol=1e-6)
+  resumed = train.train_and_evaluate(config(), workdir)
+  assert resumed["start_step"] == 4 and "preempted" not in resumed
+  assert [r["step"] for r in records(workdir)] == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose([r["train/loss"] for r in records(workdir)],
+                             reference["losses"], rtol=1e-6)
+  np.testing.assert_allclose(resumed["val/loss"], reference["val/loss"], rtol=1e-6)
