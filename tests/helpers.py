@@ -275,3 +275,30 @@ def flip_bytes(folder):
     b = f.read(4)
     f.seek(-4, os.SEEK_CUR)
     f.write(bytes(x ^ 0xFF for x in b))
+
+
+def truncate_array(folder):
+  path = checkpoint_arrays(folder)[0]
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def remove_array(folder):
+  os.remove(checkpoint_arrays(folder)[-1])
+
+
+def garble_metadata(folder):
+  with open(os.path.join(folder, "meta", "metadata"), "wb") as f:
+    f.write(b"\x00garbage{")
+
+
+def cut_short(folder):
+  os.remove(os.path.join(folder, checkpoint_lib.CHECKSUMS))
+
+
+# {damage: (what does it to a checkpoint folder, a regex of what the run then says)}
+CHECKPOINT_DAMAGE = {"truncated array file": (truncate_array, "bytes, .* were written"),
+                     "flipped bytes": (flip_bytes, "does not match its checksum"),
+                     "missing file": (remove_array, "is missing"),
+                     "garbled metadata": (garble_metadata, "meta/metadata"),
+                     "no checksum record": (cut_short, "no checksum record")}

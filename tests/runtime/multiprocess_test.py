@@ -2,7 +2,7 @@
 
 Each process has 4 CPU devices; the 2x4 (data x tensor) mesh spans both, each process feeding
 its rows of the global batch. The losses must match the same config run in one process on 8
-devices, also for a run stopped by SIGTERM whose newest checkpoint was then damaged.
+devices, also for a run stopped by SIGTERM whose newest checkpoints were then damaged.
 """
 
 import os
@@ -99,43 +99,49 @@ def train_command(workdir, **overrides):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_both_processes_at_one_step_and_a_damaged_one_is_skipped(tmp_path):
+def test_sigterm_stops_both_processes_at_one_step_and_damaged_ones_are_skipped(tmp_path):
   steps = 40
   workdir, logs = tmp_path / "multi", tmp_path / "logs"
-  overrides = {"steps": steps, "eval_every": 20, "checkpoint_every": 4}
+  # A checkpoint every step, six kept: the five newest are damaged below, one way each.
+  overrides = {"steps": steps, "eval_every": 20, "checkpoint_every": 1, "keep_checkpoints": 6}
   launcher = subprocess.Popen(
       [sys.executable, "-m", "semijax.runtime.launch", "--num_processes=2",
        "--devices_per_process=4", f"--log_dir={logs}", f"--timeout_s={TIMEOUT_S}", "--"] +
       train_command(workdir, **overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True, env=dict(os.environ, PYTHONPATH=ROOT))
   path, deadline = workdir / "metrics.jsonl", time.monotonic() + TIMEOUT_S
-  while not (path.exists() and len(path.read_text().splitlines()) >= 3):
+  while not (path.exists() and len(path.read_text().splitlines()) >= 6):
     assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
     time.sleep(0.02)
-  launcher.send_signal(signal.SIGTERM)              # as a scheduler would, after step 3
+  launcher.send_signal(signal.SIGTERM)              # as a scheduler would, after step 6
   out, err = launcher.communicate(timeout=TIMEOUT_S)
   assert launcher.returncode == 0, err
   (stop,) = map(int, re.findall(r"^\[0\] preempted at step (\d+)", out, re.M))
-  assert 3 <= stop < steps
-  saved = sorted(map(int, os.listdir(workdir / "checkpoints")))
+  assert 6 <= stop < steps
   # Saving is collective: the checkpoint of that step is committed only if both processes
   # stopped at it (and both exited 0).
-  assert saved[-1] == stop
+  saved = sorted(map(int, os.listdir(workdir / "checkpoints")))
+  assert saved == list(range(stop - 5, stop + 1))
   assert (workdir / "checkpoints" / str(stop) / "semijax_checksums.json").exists()
 
-  H.flip_bytes(str(workdir / "checkpoints" / str(stop)))
-  result = launch.launch(train_command(workdir, **overrides), 2, devices_per_process=4,
-                         timeout_s=TIMEOUT_S, log_dir=str(tmp_path / "rerun"))
+  damaged = dict(zip(reversed(saved), sorted(H.CHECKPOINT_DAMAGE)))   # step -> damage
+  for step, damage in damaged.items():
+    H.CHECKPOINT_DAMAGE[damage][0](str(workdir / "checkpoints" / str(step)))
+  result = launch.launch(train_command(workdir, **dict(overrides, checkpoint_every=10)), 2,
+                         devices_per_process=4, timeout_s=TIMEOUT_S,
+                         log_dir=str(tmp_path / "rerun"))
   assert result.returncodes == [0, 0], result.failure_message()
   log = open(result.log_paths[0]).read()
-  assert re.search(rf"checkpoint step {stop} in \S+ is damaged \(\S+ does not match its "
-                   rf"checksum\): not loaded, set aside in \S+checkpoints.damaged/{stop}", log)
-  assert f"resumed from step {saved[-2]} " in log
-  assert (workdir / "checkpoints.damaged" / str(stop)).is_dir()     # kept, not deleted
+  for step, damage in damaged.items():
+    said = H.CHECKPOINT_DAMAGE[damage][1]
+    assert re.search(rf"checkpoint step {step} in \S+ is damaged \(.*{said}.*\): not loaded, "
+                     rf"set aside in \S+checkpoints.damaged/{step}\n", log), (damage, log)
+  assert f"resumed from step {saved[0]} " in log
+  assert sorted(map(int, os.listdir(workdir / "checkpoints.damaged"))) == saved[1:]   # kept
 
   config = tiny_gpt(tensor=4, steps=steps, mlp=(10, 30, 4, 20), heads=(3, 1, 2, 2))
   config.mesh.data = 2
-  config.eval_every, config.checkpoint_every = 20, 4
+  config.eval_every, config.checkpoint_every = 20, 10
   single = train.train_and_evaluate(config, str(tmp_path / "single"))
   records = metrics.read_jsonl(str(path))
   assert [r["step"] for r in records] == list(range(1, steps + 1))     # each step once

@@ -28,37 +28,8 @@ def run(workdir, steps=6):
   return train.train_and_evaluate(c, str(workdir), engine_cache=ENGINES)
 
 
-arrays = H.checkpoint_arrays
-
-
-def truncate(folder):
-  path = arrays(folder)[0]
-  with open(path, "r+b") as f:
-    f.truncate(os.path.getsize(path) // 2)
-
-
 flip = H.flip_bytes
-
-
-def remove(folder):
-  os.remove(arrays(folder)[-1])
-
-
-def garble(folder):
-  path = os.path.join(folder, "meta", "metadata")
-  with open(path, "wb") as f:
-    f.write(b"\x00garbage{")
-
-
-def cut_short(folder):
-  os.remove(os.path.join(folder, checkpoint_lib.CHECKSUMS))
-
-
-DAMAGE = {"truncated array file": (truncate, "bytes, .* were written"),
-          "flipped bytes": (flip, "does not match its checksum"),
-          "missing file": (remove, "is missing"),
-          "garbled metadata": (garble, "meta/metadata"),
-          "no checksum record": (cut_short, "no checksum record")}
+DAMAGE = H.CHECKPOINT_DAMAGE
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
