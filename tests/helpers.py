@@ -302,3 +302,22 @@ CHECKPOINT_DAMAGE = {"truncated array file": (truncate_array, "bytes, .* were wr
                      "missing file": (remove_array, "is missing"),
                      "garbled metadata": (garble_metadata, "meta/metadata"),
                      "no checksum record": (cut_short, "no checksum record")}
+
+
+def job_process_pid(marker: str, process_id: int) -> int | None:
+  """The pid of process `process_id` of a `semijax.runtime.launch` job whose command line holds
+  `marker` (e.g. its workdir), found through /proc (Linux); None if it is not running."""
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        cmdline = f.read()
+      with open(f"/proc/{entry}/environ", "rb") as f:
+        environ = f.read().split(b"\0")
+    except OSError:         # gone, or not ours
+      continue
+    if (marker.encode() in cmdline and
+        f"SEMIJAX_PROCESS_ID={process_id}".encode() in environ):
+      return int(entry)
+  return None

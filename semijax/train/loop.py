@@ -100,8 +100,9 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     stack.callback(executor.close)
     if run.sync.mode != "sync":     # replicas that do not step together
       executor = _replicas(run, executor, workdir)
-    stop = None        # one replica per process: no checkpoint to stop at yet
-    if not isinstance(executor, replica_processes.ProcessReplicas):
+    stop = None        # ssaw / async with one replica per process: no checkpoint to stop at
+    if (not isinstance(executor, replica_processes.ProcessReplicas) or
+        executor.mode.resumable):
       stop = stack.enter_context(preemption.Preemption())
     loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks, stop)
     return loop.train(after_warmup)

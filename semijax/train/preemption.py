@@ -6,8 +6,9 @@ Several processes (`jax.distributed`): JAX's preemption service already catches 
 process and spreads a notice to all; `multihost_utils.reached_preemption_sync_point(step)` (what
 Orbax's `CheckpointManager.reached_preemption` calls) is True on every process at the same
 step, so they save the same checkpoint together. That needs every process to ask at every step
-from the same first step, which holds for runs whose processes step together (not for one
-replica per process, whose processes count their own updates: those keep no checkpoint yet).
+from the same first step, which holds for runs whose processes step together (local_sgd with
+one replica per process too; not ssaw / async there, whose processes count their own updates:
+those keep no checkpoint yet).
 """
 
 from __future__ import annotations

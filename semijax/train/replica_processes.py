@@ -16,8 +16,16 @@ eval_every x batch_size, one process keeps a copy of the parameters (`evaluate` 
 then), and the last step's evaluation validates every copy on every process and the final
 parameters; the summary's "sync"/"curve" pairs each with the seconds since the start at which
 it existed. Process 0 writes the metrics and every round (members, staleness, microbatches,
-seconds) to workdir/sync_rounds.json. These runs keep no checkpoints yet (the in-flight state
-lives in several processes); a run in a workdir that holds one is refused.
+seconds) to workdir/sync_rounds.json.
+
+Checkpoints: local_sgd runs save and resume exactly (their processes step in lockstep, so
+they save together, and a SIGTERM stops them at one step): the center parameters are the
+checkpoint's train state (a synchronous run of the same model can load it); every process's
+replica and the outer momentum are its host state ("sync", gathered: `process_modes.LocalSGD`);
+the curve so far is validated at the save and kept in the meta with the records. ssaw / async
+runs keep none yet: their in-flight state (gradients computed on older versions, the
+coordinator's rounds) spans the processes, which do not step together; a run in a workdir that
+holds a checkpoint is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +36,6 @@ import time
 import weakref
 
 import jax
-import numpy as np
 
 from semijax.core import engine as engine_lib
 from semijax.errors import ConfigError
@@ -37,6 +44,7 @@ from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import executor as executor_lib
+from semijax.train import process_modes
 from semijax.train import replica_modes
 from semijax.train import steps as steps_lib
 
@@ -47,8 +55,6 @@ ROUNDS_NAME = "sync_rounds.json"
 # {the job's engine: this process's replica engine}: runs of one engine share it (and the
 # compiled programs hanging off it).
 _LOCAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_AVERAGERS: dict = {}
 
 
 def _local_engine(engine: engine_lib.Engine) -> engine_lib.Engine:
@@ -58,9 +64,10 @@ def _local_engine(engine: engine_lib.Engine) -> engine_lib.Engine:
   return _LOCAL[engine]
 
 
-def _local_state(state: engine_lib.TrainState, local: engine_lib.Engine):
-  """This process's copy of a global state replicated over `data`, on its local mesh."""
-  shardings = local.state_shardings(state.params)
+def _rehome(state: engine_lib.TrainState, shardings: engine_lib.TrainState):
+  """The same per-device shards under other shardings: this process's local copy of a global
+  state replicated over `data` (local shardings), or the global state of local copies that are
+  the same on every process (global ones)."""
   return jax.tree.map(lambda x, s: jax.make_array_from_single_device_arrays(
       x.shape, s, [a.data for a in x.addressable_shards]), state, shardings)
 
@@ -83,31 +90,49 @@ class ProcessReplicas:
     dataset = data_lib.build(run.data, 0, 1)     # any process may claim any microbatch
     self.batches = replica_modes.Batches(dataset, run.mesh.data)
     self.eval_batches = [self.local.shard_batch(b) for b in dataset.eval_batches()]
-    self.plan = self.local.plan(run.layout)
-    self.mode = (_LocalSGD if run.sync.mode == "local_sgd" else _Rounds)(self)
-    self.state, self.programs = None, None
+    self.layout = base.balancer.layout
+    self.plan = self.local.plan(self.layout)
+    self.mode = (process_modes.LocalSGD if run.sync.mode == "local_sgd" else
+                 process_modes.Rounds)(self)
+    self.state, self.programs, self.saved = None, None, None
     self.snapshots: list = []       # (seconds, samples, host params) this process kept
     self.seen = 0                   # the run's samples applied as of this replica's last step
     self.finished = False
-    self.curve: list = []
+    self.curve: list = []           # [seconds, samples, val loss, val accuracy] validated so far
 
   def close(self) -> None:
     """Nothing of its own: the wrapped executor is closed by whoever built it."""
 
   def init(self, seed: int) -> None:
     self.base.init(seed)
-    self.state = _local_state(self.base.state, self.local)
+    self.state = _rehome(self.base.state, self.local.state_shardings(self.base.state.params))
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> tuple[int, str]:
-    raise ConfigError(f"--workdir: it holds a checkpoint (step {step}); multi-process "
-                      f"sync.mode {self.run.sync.mode!r} runs do not resume yet: use a new "
-                      "workdir")
+    """local_sgd: the center parameters through the wrapped executor (onto this run's layout),
+    this process's replica and the outer momentum at warm-up (see module doc)."""
+    mode = self.run.sync.mode
+    if not self.mode.resumable:
+      raise ConfigError(f"--workdir: it holds a checkpoint (step {step}); multi-process "
+                        f"sync.mode {mode!r} runs do not resume yet: use a new workdir")
+    if meta.get("sync_mode") != mode or "sync" not in meta:
+      raise ConfigError(
+          f"config.sync.mode: the checkpoint at step {step} in {ckpt.directory} was saved by a "
+          f"{meta.get('sync_mode', 'sync')!r} run with {meta.get('processes', 1)} process(es); "
+          f"this {mode!r} run with one replica per process continues only its own kind (use "
+          "another --workdir)")
+    start, saved_with = self.base.restore(ckpt, step, meta)
+    self.state = _rehome(self.base.state, self.local.state_shardings(self.base.state.params))
+    self.saved = dict(self.base.extra["balance"].pop("sync"), records=meta["sync"]["records"])
+    self.curve, self.seen = list(meta["sync"]["curve"]), int(meta["samples"])
+    return start, saved_with
 
   def warm_up(self, step: int) -> str:
-    """Compiles this replica's programs and the collectives among the processes."""
+    """Compiles this replica's programs and the collectives among the processes; a restored
+    run's mode state loads here."""
     del step
     self.programs = replica_modes.programs_for(self.local, self.run.sync).bind(self.state)
-    self.mode.warm_up()
+    self.mode.warm_up(self.saved)
+    self.saved = None
     return (f"sync mode {self.run.sync.mode}, {jax.process_count()} processes (one replica "
             "each)")
 
@@ -133,12 +158,12 @@ class ProcessReplicas:
     validates every process's copies (the curve) and returns the final parameters'."""
     if not self.finished:
       return {}
-    self.curve = self._evaluate_snapshots()
+    self._validate_snapshots()
     return steps_lib.evaluate(self.local, self.state.params, self.eval_batches, self.plan)
 
-  def _evaluate_snapshots(self) -> list:
-    """[[seconds, samples, val loss, val accuracy]] of every process's snapshots, sorted by
-    samples (gathered through the key-value store)."""
+  def _validate_snapshots(self) -> None:
+    """Validates every process's kept copies and adds them to the curve (the same on every
+    process: gathered through the key-value store); call on every process together."""
     store = real_lib.new_store()
     mine = []
     for elapsed, samples, params in self.snapshots:
@@ -146,14 +171,27 @@ class ProcessReplicas:
                             self.local.param_shardings)
       val = steps_lib.evaluate(self.local, params, self.eval_batches, self.plan)
       mine.append([elapsed, samples, val["val/loss"], val["val/accuracy"]])
+    self.snapshots = []
     store.set(f"eval/{jax.process_index()}", json.dumps(mine))
     store.barrier("evaluated")
-    curve = [p for v in store.dir("eval/").values() for p in json.loads(v)]
-    return sorted(curve, key=lambda p: (p[1], p[0]))
+    curve = self.curve + [p for v in store.dir("eval/").values() for p in json.loads(v)]
+    self.curve = sorted(curve, key=lambda p: (p[1], p[0]))
 
   def save(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> None:
-    """Nothing yet (see module doc)."""
-    del ckpt, step, meta
+    """local_sgd (every process at the same step): the center parameters as the train state,
+    every replica and the momentum as host state, the curve so far and the records in the
+    meta. ssaw / async: nothing (see module doc)."""
+    if not self.mode.resumable:
+      return
+    self._validate_snapshots()
+    base, layout = self.base, self.layout
+    sync = self.mode.state_dict(layout)
+    logical = base.engine.to_logical(_rehome(self.state, base.engine.state_shardings(
+        self.state.params)), layout)
+    meta = dict(meta, layout=layout.to_json(), sync_mode=self.run.sync.mode,
+                processes=jax.process_count(),
+                sync={"curve": self.curve, "records": self.mode.rounds()})
+    ckpt.save(step, logical, meta, dict(base.balancer.state_dict() or {}, sync=sync))
 
   def summary(self, base: dict) -> executor_lib.Finish:
     """The sync keys; process 0 writes the rounds and the curve to workdir/sync_rounds.json."""
@@ -166,135 +204,3 @@ class ProcessReplicas:
         {"sync": {"mode": run.sync.mode, "updates": len(rounds), "samples": self.seen,
                   "curve": self.curve, "rounds": rounds, **self.mode.summary()}},
         before_val=f", {self.seen} samples in {total:.1f} s")
-
-
-class _Rounds:
-  """ssaw / async over processes: an update is the next round this replica is in."""
-
-  def __init__(self, ex: ProcessReplicas):
-    self.ex, self.coordinator, self.replica, self.groups = ex, None, None, None
-    self.started = False
-
-  @property
-  def done(self) -> bool:
-    return self.replica.done
-
-  def warm_up(self) -> None:
-    ex, run = self.ex, self.ex.run
-    r, local, programs = run.mesh.data, ex.local, ex.programs
-    store = real_lib.new_store()
-    if local not in _GROUPS:
-      _GROUPS[local] = real_lib.GroupPrograms(local, ex.base.engine.mesh, ex.state)
-    self.groups = _GROUPS[local]
-    batch = local.shard_batch(ex.batches.microbatch(0))
-    scratch, _ = programs.compute(ex.state.params, programs.zeros(ex.state.params), batch,
-                                  ex.plan, np.ones(1, bool))
-    self.groups.warm_up(ex.state, scratch, r)
-    if jax.process_index() == 0:
-      self.coordinator = real_lib.Coordinator(
-          store, run.sync, r, batch_size=run.batch_size, total_microbatches=run.steps * r,
-          learning_rate=replica_modes.learning_rate_fn(run),
-          eval_every_samples=run.eval_every * run.batch_size)
-    self.replica = real_lib.RoundsReplica(store, programs, self.groups, ex.plan,
-                                          total_microbatches=run.steps * r,
-                                          microbatch_samples=run.batch_size // r)
-
-  def update(self) -> tuple[dict | None, int, dict]:
-    """(this replica's gradient's loss terms or None, the run's samples after the round, the
-    round's scalars); on the coordinator's end, (None, the samples seen, {})."""
-    ex = self.ex
-    if not self.started:              # every process is warm (the loop waited for them)
-      self.started = True
-      if self.coordinator is not None:
-        self.coordinator.start()
-    ex.state, msg, terms = self.replica.next_round(ex.state, ex.batches.microbatch)
-    if msg is None:
-      return None, ex.seen, {}
-    if msg.snapshot and msg.source == jax.process_index():
-      ex.snapshots.append((msg.elapsed_s, msg.samples, jax.device_get(ex.state.params)))
-    return terms, msg.samples, {"sync/elapsed_s": msg.elapsed_s,
-                                "sync/members": len(msg.members),
-                                "sync/max_staleness": max(msg.staleness)}
-
-  def finish(self) -> None:
-    ex = self.ex
-    while not self.replica.done:
-      ex.state, _, _ = self.replica.next_round(ex.state, ex.batches.microbatch)
-
-  def rounds(self) -> list:
-    if self.coordinator is None:
-      return []
-    self.coordinator.join()
-    return [{"version": m.version, "elapsed_s": m.elapsed_s, "samples": m.samples,
-             "members": list(m.members), "staleness": list(m.staleness),
-             "microbatches": list(m.microbatches)}
-            for m in self.coordinator.rounds if not m.done]
-
-  def summary(self) -> dict:
-    return {"computed": self.replica.computed, "compiled_groups": self.groups.compiled}
-
-
-class _LocalSGD:
-  """local_sgd over processes: an update is one local step of this replica on its microbatch;
-  every `local_steps` steps and at the end, one all-reduce of the parameters and the outer
-  step."""
-
-  def __init__(self, ex: ProcessReplicas):
-    self.ex, self.k, self.start = ex, 0, None
-    self.next_eval = ex.run.eval_every
-    self.params = self.replicas = self.momentum = self.averager = None
-    self.records: list = []
-
-  @property
-  def done(self) -> bool:
-    return self.k >= self.ex.run.steps
-
-  def warm_up(self) -> None:
-    ex, run = self.ex, self.ex.run
-    key = (ex.local, run.sync.outer, run.sync.outer_lr, run.sync.outer_momentum)
-    if key not in _AVERAGERS:
-      _AVERAGERS[key] = real_lib.Averager(ex.local, ex.base.engine.mesh, run.sync)
-    self.averager = _AVERAGERS[key]
-    self.params = ex.state.params
-    self.replicas = ex.programs.stack(ex.state)
-    self.momentum = jax.tree.map(lambda x: x * 0.0, self.params)
-    copy = lambda t: jax.tree.map(lambda x: x.copy(), t)
-    batch = ex.local.shard_batch(ex.batches.microbatch(jax.process_index()))
-    scratch, _ = ex.programs.local(copy(self.replicas), batch, ex.plan)
-    jax.block_until_ready(self.averager(copy(self.params), scratch.params, copy(self.momentum)))
-
-  def update(self) -> tuple[dict, int, dict]:
-    ex, run, me = self.ex, self.ex.run, jax.process_index()
-    if self.start is None:
-      self.start = time.perf_counter()
-    k, r = self.k, run.mesh.data
-    batch = ex.local.shard_batch(ex.batches.microbatch(k * r + me))
-    self.replicas, terms = ex.programs.local(self.replicas, batch, ex.plan)
-    terms = jax.device_get(terms)
-    self.k = step = k + 1
-    outer = step % run.sync.local_steps == 0 or step == run.steps
-    if outer:
-      self.params, self.momentum = self.averager(self.params, self.replicas.params,
-                                                 self.momentum)
-      self.replicas = engine_lib.TrainState(jax.tree.map(real_lib.stack1, self.params),
-                                            self.replicas.opt_state)
-      if me == 0 and (step >= self.next_eval or step == run.steps):
-        ex.snapshots.append((time.perf_counter() - self.start, step * run.batch_size,
-                             jax.device_get(self.params)))
-      while self.next_eval <= step:
-        self.next_eval += run.eval_every
-    jax.block_until_ready(self.replicas)
-    ex.state = engine_lib.TrainState(self.params, ex.state.opt_state)
-    elapsed = time.perf_counter() - self.start
-    self.records.append({"version": step, "elapsed_s": elapsed,
-                         "samples": step * run.batch_size})
-    return terms, step * run.batch_size, {"sync/elapsed_s": elapsed, "sync/outer": float(outer)}
-
-  def finish(self) -> None:
-    pass
-
-  def rounds(self) -> list:
-    return self.records
-
-  def summary(self) -> dict:
-    return {}

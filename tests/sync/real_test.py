@@ -12,7 +12,10 @@ the reference is synchronous training."""
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import helpers as H
 from helpers import ROOT
 from semijax.core import mesh as mesh_lib
 from semijax.runtime import contention
@@ -45,11 +49,15 @@ RTOL = 1e-5
 ENGINES: dict = {}       # the one-process runs of this module share an engine
 
 
-def train_two_processes(tmp_path, mode):
-  workdir = tmp_path / mode
+def train_command(workdir, mode, **overrides):
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
          "--config", CONFIG, "--workdir", str(workdir), f"--config.sync.mode={mode}"]
-  cmd += [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+  return cmd + [f"--config.{k}={v}" for k, v in dict(OVERRIDES, **overrides).items()]
+
+
+def train_two_processes(tmp_path, mode):
+  workdir = tmp_path / mode
+  cmd = train_command(workdir, mode)
   cores = [[0], [1]] if len(launch.machine_cores()) >= 2 else None
   with contention.Injector(1 if cores else 0, "steady"):
     result = launch.launch(cmd, 2, cores=cores, devices_per_process=1, timeout_s=300,
@@ -152,6 +160,53 @@ def test_local_sgd_in_two_processes_matches_one_process(tmp_path):
   single = train_one_process(tmp_path / "local_sgd_one", "local_sgd")
   assert_same_curve(curve, single["sync"]["curve"])
   np.testing.assert_allclose(records[-1]["val/loss"], single["val/loss"], rtol=RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds process 1 through /proc")
+def test_local_sgd_in_two_processes_resumes_exactly_after_process_1_is_killed(tmp_path):
+  # Checkpoints at steps 3 and 6 fall between averages (local_steps 2): each replica's own
+  # parameters and optimizer state, the momentum and the center must all come back.
+  steps, overrides = 10, {"steps": 10, "checkpoint_every": 3, "eval_every": 4}
+  reference = launch.launch(train_command(tmp_path / "whole", "local_sgd", **overrides), 2,
+                            devices_per_process=1, timeout_s=300, log_dir=str(tmp_path / "w"))
+  assert reference.ok, reference.failure_message()
+
+  workdir = tmp_path / "killed"
+  cmd = train_command(workdir, "local_sgd", **overrides)
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "semijax.runtime.launch", "--num_processes=2",
+       "--devices_per_process=1", f"--log_dir={tmp_path / 'k'}", "--timeout_s=300", "--"] + cmd,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=dict(os.environ, PYTHONPATH=ROOT))
+  path, deadline = workdir / "metrics.jsonl", time.monotonic() + 300
+  while not (path.exists() and len(path.read_text().splitlines()) >= 5):
+    assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+    time.sleep(0.02)
+  os.kill(H.job_process_pid(str(workdir), 1), signal.SIGKILL)
+  launcher.communicate(timeout=300)
+  assert launcher.returncode != 0                  # the job stopped as a whole
+  saved = max(map(int, os.listdir(workdir / "checkpoints")))
+  assert saved in (3, 6)
+
+  rerun = launch.launch(cmd, 2, devices_per_process=1, timeout_s=300,
+                        log_dir=str(tmp_path / "r"))
+  assert rerun.ok, rerun.failure_message()
+  assert f"resumed from step {saved} " in open(rerun.log_paths[0]).read()
+  records = metrics.read_jsonl(str(path))
+  whole = metrics.read_jsonl(str(tmp_path / "whole" / "metrics.jsonl"))
+  assert [r["step"] for r in records] == list(range(1, steps + 1))    # every step once
+  np.testing.assert_allclose([r["train/loss"] for r in records],
+                             [r["train/loss"] for r in whole], rtol=1e-6)
+  np.testing.assert_allclose(records[-1]["val/loss"], whole[-1]["val/loss"], rtol=1e-6)
+  with open(workdir / replica_processes.ROUNDS_NAME) as f:
+    out = json.load(f)
+  with open(tmp_path / "whole" / replica_processes.ROUNDS_NAME) as f:
+    expected = json.load(f)
+  assert [r["samples"] for r in out["rounds"]] == [BATCH * (k + 1) for k in range(steps)]
+  assert [p[1] for p in out["curve"]] == [p[1] for p in expected["curve"]]
+  np.testing.assert_allclose([p[2] for p in out["curve"]], [p[2] for p in expected["curve"]],
+                             rtol=1e-6)
 
 
 def test_psum_packed_is_psum_in_one_all_reduce_per_dtype():

@@ -1,0 +1,202 @@
+"""What one update is for a replica with one process of its own (`replica_processes`): the
+drivers `Rounds` (ssaw, async: the next round this replica is in, decided by the coordinator
+thread of process 0) and `LocalSGD` (one local step; every `local_steps` steps and at the end,
+one all-reduce of the parameters among the processes and the outer step), after
+`semijax.sync.real`.
+
+Each driver reads and writes its executor's state (`ex.state`, the replica's local padded
+`TrainState`), its batches, programs and snapshots. `LocalSGD` also gives the state a checkpoint
+keeps (`state_dict`: every process's replica, gathered, and the outer momentum, as host logical
+copies in the layout of one-process local SGD, `replica_modes.LocalSGD`) and loads it back.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from semijax.core import engine as engine_lib
+from semijax.sync import real as real_lib
+from semijax.train import replica_modes
+
+
+# {this process's replica engine: its group programs}; {(engine, outer optimizer): averager}:
+# runs of one engine share them (and their compiled programs).
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_AVERAGERS: dict = {}
+
+
+class Rounds:
+  """ssaw / async over processes: an update is the next round this replica is in. These runs
+  keep no checkpoint (`resumable` is False): the in-flight state spans the processes."""
+
+  resumable = False
+
+  def __init__(self, ex):
+    self.ex, self.coordinator, self.replica, self.groups = ex, None, None, None
+    self.started = False
+
+  @property
+  def done(self) -> bool:
+    return self.replica.done
+
+  def warm_up(self, saved: dict | None) -> None:
+    del saved
+    ex, run = self.ex, self.ex.run
+    r, local, programs = run.mesh.data, ex.local, ex.programs
+    store = real_lib.new_store()
+    if local not in _GROUPS:
+      _GROUPS[local] = real_lib.GroupPrograms(local, ex.base.engine.mesh, ex.state)
+    self.groups = _GROUPS[local]
+    batch = local.shard_batch(ex.batches.microbatch(0))
+    scratch, _ = programs.compute(ex.state.params, programs.zeros(ex.state.params), batch,
+                                  ex.plan, np.ones(1, bool))
+    self.groups.warm_up(ex.state, scratch, r)
+    if jax.process_index() == 0:
+      self.coordinator = real_lib.Coordinator(
+          store, run.sync, r, batch_size=run.batch_size, total_microbatches=run.steps * r,
+          learning_rate=replica_modes.learning_rate_fn(run),
+          eval_every_samples=run.eval_every * run.batch_size)
+    self.replica = real_lib.RoundsReplica(store, programs, self.groups, ex.plan,
+                                          total_microbatches=run.steps * r,
+                                          microbatch_samples=run.batch_size // r)
+
+  def update(self) -> tuple[dict | None, int, dict]:
+    """(this replica's gradient's loss terms or None, the run's samples after the round, the
+    round's scalars); on the coordinator's end, (None, the samples seen, {})."""
+    ex = self.ex
+    if not self.started:              # every process is warm (the loop waited for them)
+      self.started = True
+      if self.coordinator is not None:
+        self.coordinator.start()
+    ex.state, msg, terms = self.replica.next_round(ex.state, ex.batches.microbatch)
+    if msg is None:
+      return None, ex.seen, {}
+    if msg.snapshot and msg.source == jax.process_index():
+      ex.snapshots.append((msg.elapsed_s, msg.samples, jax.device_get(ex.state.params)))
+    return terms, msg.samples, {"sync/elapsed_s": msg.elapsed_s,
+                                "sync/members": len(msg.members),
+                                "sync/max_staleness": max(msg.staleness)}
+
+  def finish(self) -> None:
+    ex = self.ex
+    while not self.replica.done:
+      ex.state, _, _ = self.replica.next_round(ex.state, ex.batches.microbatch)
+
+  def rounds(self) -> list:
+    if self.coordinator is None:
+      return []
+    self.coordinator.join()
+    return [{"version": m.version, "elapsed_s": m.elapsed_s, "samples": m.samples,
+             "members": list(m.members), "staleness": list(m.staleness),
+             "microbatches": list(m.microbatches)}
+            for m in self.coordinator.rounds if not m.done]
+
+  def summary(self) -> dict:
+    return {"computed": self.replica.computed, "compiled_groups": self.groups.compiled}
+
+  def state_dict(self, layout) -> dict:
+    raise NotImplementedError("ssaw / async over processes keep no checkpoint")
+
+
+class LocalSGD:
+  """local_sgd over processes: an update is one local step of this replica on its microbatch;
+  every `local_steps` steps and at the end, one all-reduce of the parameters and the outer
+  step. The processes step in lockstep, so they save the same checkpoints together."""
+
+  resumable = True
+
+  def __init__(self, ex):
+    self.ex, self.k = ex, 0
+    self.next_eval = ex.run.eval_every
+    self.params = self.replicas = self.momentum = self.averager = None
+    self.records: list = []
+    self.start, self.elapsed_before = None, 0.0   # the clock; seconds before a resume
+
+  @property
+  def done(self) -> bool:
+    return self.k >= self.ex.run.steps
+
+  def warm_up(self, saved: dict | None) -> None:
+    """Compiles the local step and the outer step (on copies), then starts from the run's
+    state or continues the checkpoint's (`saved`: `state_dict`'s keys and "records")."""
+    ex, run = self.ex, self.ex.run
+    key = (ex.local, run.sync.outer, run.sync.outer_lr, run.sync.outer_momentum)
+    if key not in _AVERAGERS:
+      _AVERAGERS[key] = real_lib.Averager(ex.local, ex.base.engine.mesh, run.sync)
+    self.averager = _AVERAGERS[key]
+    self.params = ex.state.params
+    self.replicas = ex.programs.stack(ex.state)
+    self.momentum = jax.tree.map(lambda x: x * 0.0, self.params)
+    copy = lambda t: jax.tree.map(lambda x: x.copy(), t)
+    batch = ex.local.shard_batch(ex.batches.microbatch(jax.process_index()))
+    scratch, _ = ex.programs.local(copy(self.replicas), batch, ex.plan)
+    jax.block_until_ready(self.averager(copy(self.params), scratch.params, copy(self.momentum)))
+    if saved is not None:
+      self._load(saved)
+
+  def update(self) -> tuple[dict, int, dict]:
+    ex, run, me = self.ex, self.ex.run, jax.process_index()
+    if self.start is None:
+      self.start = time.perf_counter() - self.elapsed_before
+    k, r = self.k, run.mesh.data
+    batch = ex.local.shard_batch(ex.batches.microbatch(k * r + me))
+    self.replicas, terms = ex.programs.local(self.replicas, batch, ex.plan)
+    terms = jax.device_get(terms)
+    self.k = step = k + 1
+    outer = step % run.sync.local_steps == 0 or step == run.steps
+    if outer:
+      self.params, self.momentum = self.averager(self.params, self.replicas.params,
+                                                 self.momentum)
+      self.replicas = engine_lib.TrainState(jax.tree.map(real_lib.stack1, self.params),
+                                            self.replicas.opt_state)
+      if me == 0 and (step >= self.next_eval or step == run.steps):
+        ex.snapshots.append((time.perf_counter() - self.start, step * run.batch_size,
+                             jax.device_get(self.params)))
+      while self.next_eval <= step:
+        self.next_eval += run.eval_every
+    jax.block_until_ready(self.replicas)
+    ex.state = engine_lib.TrainState(self.params, ex.state.opt_state)
+    elapsed = time.perf_counter() - self.start
+    self.records.append({"version": step, "elapsed_s": elapsed,
+                         "samples": step * run.batch_size})
+    return terms, step * run.batch_size, {"sync/elapsed_s": elapsed, "sync/outer": float(outer)}
+
+  def finish(self) -> None:
+    pass
+
+  def rounds(self) -> list:
+    return self.records
+
+  def summary(self) -> dict:
+    return {}
+
+  def state_dict(self, layout) -> dict:
+    """{"step", "replicas": every process's replica (params and optimizer state) as flat host
+    logical arrays [R, *L], "momentum": the outer momentum [*L], "next_eval", "elapsed_s"};
+    the same on every process (the replicas are gathered, a collective). The center
+    parameters are the checkpoint's train state."""
+    forms = self.ex.programs.forms
+    mine = forms.to_host(self.replicas, layout)                 # {leaf: [1, *L]}
+    every = multihost_utils.process_allgather(mine, tiled=True)   # {leaf: [R, *L]}
+    elapsed = 0.0 if self.start is None else time.perf_counter() - self.start
+    return {"step": np.int64(self.k), "replicas": every,
+            "momentum": forms.to_host(self.momentum, layout, leading=0),
+            "next_eval": np.int64(self.next_eval),
+            "elapsed_s": np.float64(multihost_utils.broadcast_one_to_all(elapsed))}
+
+  def _load(self, saved: dict) -> None:
+    ex, me = self.ex, jax.process_index()
+    forms, layout = ex.programs.forms, ex.layout
+    mine = {leaf: x[me:me + 1] for leaf, x in saved["replicas"].items()}
+    self.replicas = forms.to_device(mine, self.replicas, layout,
+                                    ex.programs.stacked_state_shardings())
+    self.momentum = forms.to_device(saved["momentum"], self.momentum, layout,
+                                    ex.local.param_shardings, leading=0)
+    self.k, self.next_eval = int(saved["step"]), int(saved["next_eval"])
+    self.elapsed_before = float(saved["elapsed_s"])
+    self.records = list(saved["records"])
