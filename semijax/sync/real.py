@@ -21,6 +21,11 @@ replica (its local devices are its tensor group, the `tensor` axis of a local me
   * a replica that is not a member of a round never waits for it: it reads the round's message
     (blocking only when its own gradient is ready and it needs the next round to apply it).
 
+Checkpoints need a state every process holds: once the samples applied reach a multiple of
+`checkpoint_every_samples`, the coordinator waits for every replica and publishes a round of all
+of them (a *cut*, `Message.checkpoint`); after it no gradient is in flight and every member
+holds the same state. A resumed coordinator starts from the cut (`Resume`).
+
 local_sgd needs none of this: every process takes `local_steps` local steps on its own devices,
 then all enter one all-reduce of the parameters (the outer step), in lockstep.
 
@@ -105,6 +110,13 @@ class KeyValue:
   def barrier(self, name: str, timeout_ms: int = 600_000) -> None:
     self.client.wait_at_barrier(self.prefix + name, timeout_ms)
 
+  def gather(self, name: str, value) -> list:
+    """Every process's JSON-able `value`, in process order (call on every process)."""
+    self.set(f"{name}/{jax.process_index()}", json.dumps(value))
+    self.barrier(name)
+    values = self.dir(f"{name}/")
+    return [json.loads(values[str(i)]) for i in range(len(values))]
+
 
 def new_store() -> KeyValue:
   """A store for the next run of this process (runs number themselves in the same order on
@@ -128,6 +140,8 @@ class Message:
     snapshot: whether the source keeps a copy of the parameters for evaluation.
     staleness: per member (0 for none). microbatches: per member (-1 for none).
     done: no more rounds.
+    checkpoint: a cut: every replica is a member and none holds a gradient after it, so all
+      hold the same state and save it together.
   """
 
   version: int = 0
@@ -142,6 +156,7 @@ class Message:
   staleness: tuple = ()
   microbatches: tuple = ()
   done: bool = False
+  checkpoint: bool = False
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self))
@@ -150,6 +165,18 @@ class Message:
   def from_json(cls, text: str) -> "Message":
     d = json.loads(text)
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+  """Where a coordinator starts: the version and samples applied at a cut (`Message.checkpoint`),
+  the seconds run before it, and the next evaluation and cut thresholds (samples)."""
+
+  version: int = 0
+  applied: int = 0
+  elapsed_s: float = 0.0
+  next_eval: int | None = None
+  next_cut: int | None = None
 
 
 @dataclasses.dataclass
@@ -171,33 +198,39 @@ class Coordinator:
     num_replicas: R. batch_size: the global batch. total_microbatches: the stream's length.
     microbatch_samples: samples per microbatch. learning_rate: progress -> scheduled rate.
     eval_every_samples: snapshot when the samples applied cross a multiple of this.
-    start_version, start_samples: where a resumed run starts.
+    checkpoint_every_samples: once the samples applied reach a multiple of this, the next round
+      waits for every replica and is a cut (`Message.checkpoint`); 0: never.
+    resume: where a resumed run starts (the cut it saved at).
   """
 
   def __init__(self, store: KeyValue, settings: settings_lib.SyncSettings, num_replicas: int,
                *, batch_size: int, total_microbatches: int,
-               learning_rate: Callable[[float], float], eval_every_samples: int):
+               learning_rate: Callable[[float], float], eval_every_samples: int,
+               checkpoint_every_samples: int = 0, resume: Resume = Resume()):
     self.store, self.settings = store, settings
     self.num_replicas, self.batch_size = num_replicas, batch_size
     self.total = total_microbatches
     self.learning_rate = learning_rate
-    self.eval_every = eval_every_samples
-    self.version, self.applied = 0, 0
-    self.replicas = [_Replica() for _ in range(num_replicas)]
-    self.rounds: list[Message] = []
+    self.eval_every, self.cut_every = eval_every_samples, checkpoint_every_samples
+    self.version, self.applied = resume.version, resume.applied
+    self.replicas = [_Replica(state_version=resume.version) for _ in range(num_replicas)]
+    self.rounds: list[Message] = []     # published by this coordinator (not before a resume)
     self.error: BaseException | None = None
+    self._before_s = resume.elapsed_s
     self._t0 = 0.0
     self._open_s = 0.0
-    self._next_eval = eval_every_samples
+    self._next_eval = resume.next_eval or eval_every_samples
+    self._next_cut = resume.next_cut or checkpoint_every_samples
     self._posts = 0           # posts taken
     self._deadline = None     # the grace deadline the coordinator waits for, if any
     self._thread = threading.Thread(target=self._run, name="semijax-ssaw-coordinator",
                                     daemon=True)
 
   def start(self) -> None:
-    self._t0 = self._open_s = time.perf_counter()
+    self._open_s = time.perf_counter()
+    self._t0 = self._open_s - self._before_s
     for r in self.replicas:
-      r.started_s = self._t0
+      r.started_s = self._open_s
     self._thread.start()
 
   def join(self) -> None:
@@ -252,8 +285,9 @@ class Coordinator:
       if contributors:
         self._close(ready)
       return False
-    if self.settings.mode == "sync" or self.store.increment("claim", 0) >= self.total:
-      return False                       # wait for everyone (and at the end of the stream)
+    if (self.settings.mode == "sync" or self.store.increment("claim", 0) >= self.total or
+        self.cut_due):
+      return False                       # wait for everyone (at the end of the stream, a cut)
     fresh = [i for i in contributors if self.replicas[i].ready["base"] == self.version]
     if not fresh:
       return False
@@ -271,6 +305,17 @@ class Coordinator:
       self._deadline = deadline
     return False
 
+  @property
+  def cut_due(self) -> bool:
+    """Whether the next round is a cut (the samples applied reached the next multiple of
+    checkpoint_every_samples)."""
+    return bool(self.cut_every) and self.applied >= self._next_cut
+
+  def resume_point(self) -> Resume:
+    """What a coordinator resuming after the last round needs (read right after a cut)."""
+    last = next((m.elapsed_s for m in reversed(self.rounds) if not m.done), self._before_s)
+    return Resume(self.version, self.applied, last, self._next_eval, self._next_cut)
+
   def _close(self, members: list[int]) -> None:
     reps = [self.replicas[i] for i in members]
     samples = [r.ready["samples"] for r in reps]
@@ -284,6 +329,9 @@ class Coordinator:
     factor = 1.0 if at_count == 0.0 else (
         self.learning_rate(self.applied / self.batch_size) * comb.lr_scale / at_count)
     source = min(i for i in members if self.replicas[i].state_version == self.version)
+    cut = self.cut_due and len(members) == self.num_replicas
+    while cut and self._next_cut <= self.applied + comb.samples:
+      self._next_cut += self.cut_every
     self.applied += comb.samples
     snapshot = self.applied >= self._next_eval or (
         self.store.increment("claim", 0) >= self.total and
@@ -294,7 +342,7 @@ class Coordinator:
     msg = Message(self.version + 1, tuple(members), tuple(float(x) for x in w), float(factor),
                   source, any(r.state_version < self.version for r in reps), self.applied,
                   now - self._t0, snapshot, tuple(staleness),
-                  tuple(r.ready["microbatch"] for r in reps))
+                  tuple(r.ready["microbatch"] for r in reps), checkpoint=cut)
     self.version += 1
     for r in reps:
       r.state_version, r.started_s, r.ready = self.version, now, None
@@ -473,16 +521,20 @@ class RoundsReplica:
     groups: the round updates (`GroupPrograms`).
     plan: the local tensor plan.
     total_microbatches: the stream's length; microbatch_samples: samples per microbatch.
+    version: the version its state is at (a resumed run's cut; else 0).
+    computed: the microbatches it computed before a resume.
   """
 
   def __init__(self, store: KeyValue, programs, groups: GroupPrograms, plan, *,
-               total_microbatches: int, microbatch_samples: int):
+               total_microbatches: int, microbatch_samples: int, version: int = 0,
+               computed: tuple = ()):
     self.store, self.programs, self.groups, self.plan = store, programs, groups, plan
     self.total, self.samples = total_microbatches, microbatch_samples
-    self.computed: list[int] = []      # the microbatches this replica computed
+    self.computed: list[int] = list(computed)   # the microbatches this replica computed
     self.done = False                  # the coordinator said so
+    self.end: Message | None = None    # its "done" message
     self._pending = None
-    self._seq, self._k, self._version = 0, 1, 0
+    self._seq, self._k, self._version = 0, 1, version
 
   def next_round(self, state, microbatch: Callable[[int], dict]):
     """Claims, computes and posts one microbatch (or, past the stream's end, nothing), then
@@ -510,7 +562,7 @@ class RoundsReplica:
       msg = Message.from_json(self.store.get(f"round/{self._k}"))
       self._k += 1
       if msg.done:
-        self.done = True
+        self.done, self.end = True, msg
         return state, None, None
       if me in msg.members:
         break

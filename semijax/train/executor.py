@@ -40,6 +40,8 @@ class StepResult:
       may apply fewer).
     evaluable: whether the parameters after the step are the model to validate (local_sgd's
       are only at an average).
+    checkpoint: for an executor with `own_checkpoints`, the id to save a checkpoint under
+      after this step (the same on every process), or None for none.
   """
 
   metrics: dict
@@ -48,6 +50,7 @@ class StepResult:
   notes: tuple[str, ...] = ()
   samples: int | None = None
   evaluable: bool = True
+  checkpoint: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +74,14 @@ class Executor(Protocol):
   Attributes:
     step_name: what a step is called on the console: "step", or "update" where steps apply
       unequal samples (the replica modes).
+    own_checkpoints: whether the executor says when to save (`StepResult.checkpoint`), for
+      processes that do not step together (ssaw / async with one replica per process); else
+      the loop saves every checkpoint_every steps, at the last and when preempted, under the
+      step.
   """
 
   step_name: str
+  own_checkpoints: bool
 
   def init(self, seed: int) -> None:
     """Initializes the train state from `seed` (a run with no checkpoint)."""

@@ -100,9 +100,8 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     stack.callback(executor.close)
     if run.sync.mode != "sync":     # replicas that do not step together
       executor = _replicas(run, executor, workdir)
-    stop = None        # ssaw / async with one replica per process: no checkpoint to stop at
-    if (not isinstance(executor, replica_processes.ProcessReplicas) or
-        executor.mode.resumable):
+    stop = None        # processes that do not step together cannot agree on a step to stop at
+    if not executor.own_checkpoints:
       stop = stack.enter_context(preemption.Preemption())
     loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks, stop)
     return loop.train(after_warmup)

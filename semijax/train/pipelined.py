@@ -74,6 +74,7 @@ class Pipelined:
   """
 
   step_name = "step"
+  own_checkpoints = False
 
   def __init__(self, run: config_lib.RunConfig, setup: setup_lib.Setup):
     self.run, self.setup, self.engine = run, setup, setup.engine

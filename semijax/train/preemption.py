@@ -8,7 +8,7 @@ Orbax's `CheckpointManager.reached_preemption` calls) is True on every process a
 step, so they save the same checkpoint together. That needs every process to ask at every step
 from the same first step, which holds for runs whose processes step together (local_sgd with
 one replica per process too; not ssaw / async there, whose processes count their own updates:
-those keep no checkpoint yet).
+those save at their coordinator's cuts instead).
 """
 
 from __future__ import annotations

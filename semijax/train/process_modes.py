@@ -12,6 +12,7 @@ copies in the layout of one-process local SGD, `replica_modes.LocalSGD`) and loa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 
@@ -31,21 +32,26 @@ _AVERAGERS: dict = {}
 
 
 class Rounds:
-  """ssaw / async over processes: an update is the next round this replica is in. These runs
-  keep no checkpoint (`resumable` is False): the in-flight state spans the processes."""
+  """ssaw / async over processes: an update is the next round this replica is in. The
+  processes do not step together; they save together at a cut (`real.Message.checkpoint`: a
+  round of every replica, after which none holds a gradient and all hold the same state), which
+  the coordinator makes once the samples applied reach a multiple of checkpoint_every x
+  batch_size, and at the end. A resumed run's coordinator starts at the cut's version and
+  samples, its microbatch counter at the microbatches applied (all were, at a cut)."""
 
-  resumable = False
+  steps_together = False
 
   def __init__(self, ex):
     self.ex, self.coordinator, self.replica, self.groups = ex, None, None, None
     self.started = False
+    self.cut = None                 # the version of the cut the last update applied, if one
+    self.before: list = []          # the records of the rounds before a resume (process 0)
 
   @property
   def done(self) -> bool:
     return self.replica.done
 
   def warm_up(self, saved: dict | None) -> None:
-    del saved
     ex, run = self.ex, self.ex.run
     r, local, programs = run.mesh.data, ex.local, ex.programs
     store = real_lib.new_store()
@@ -56,14 +62,22 @@ class Rounds:
     scratch, _ = programs.compute(ex.state.params, programs.zeros(ex.state.params), batch,
                                   ex.plan, np.ones(1, bool))
     self.groups.warm_up(ex.state, scratch, r)
+    resume, computed = real_lib.Resume(), ()
+    if saved is not None:
+      resume = real_lib.Resume(**saved["meta"]["coordinator"])
+      computed, self.before = saved["mine"]["computed"], list(saved["meta"]["records"])
+    microbatch_samples = run.batch_size // r
     if jax.process_index() == 0:
+      store.increment("claim", resume.applied // microbatch_samples)   # before any claim
       self.coordinator = real_lib.Coordinator(
           store, run.sync, r, batch_size=run.batch_size, total_microbatches=run.steps * r,
           learning_rate=replica_modes.learning_rate_fn(run),
-          eval_every_samples=run.eval_every * run.batch_size)
+          eval_every_samples=run.eval_every * run.batch_size,
+          checkpoint_every_samples=run.checkpoint_every * run.batch_size, resume=resume)
     self.replica = real_lib.RoundsReplica(store, programs, self.groups, ex.plan,
                                           total_microbatches=run.steps * r,
-                                          microbatch_samples=run.batch_size // r)
+                                          microbatch_samples=microbatch_samples,
+                                          version=resume.version, computed=computed)
 
   def update(self) -> tuple[dict | None, int, dict]:
     """(this replica's gradient's loss terms or None, the run's samples after the round, the
@@ -74,8 +88,11 @@ class Rounds:
       if self.coordinator is not None:
         self.coordinator.start()
     ex.state, msg, terms = self.replica.next_round(ex.state, ex.batches.microbatch)
+    self.cut = None
     if msg is None:
       return None, ex.seen, {}
+    if msg.checkpoint:
+      self.cut = msg.version
     if msg.snapshot and msg.source == jax.process_index():
       ex.snapshots.append((msg.elapsed_s, msg.samples, jax.device_get(ex.state.params)))
     return terms, msg.samples, {"sync/elapsed_s": msg.elapsed_s,
@@ -87,20 +104,43 @@ class Rounds:
     while not self.replica.done:
       ex.state, _, _ = self.replica.next_round(ex.state, ex.batches.microbatch)
 
-  def rounds(self) -> list:
+  def checkpoint(self, finished: bool) -> int | None:
+    """The id to save under after this update: the end's version once the run is over (every
+    process holds the final state), a cut's version, or None."""
+    return self.replica.end.version if finished else self.cut
+
+  def records(self) -> list:
+    """The rounds published so far (process 0; [] elsewhere), without waiting."""
     if self.coordinator is None:
       return []
-    self.coordinator.join()
-    return [{"version": m.version, "elapsed_s": m.elapsed_s, "samples": m.samples,
-             "members": list(m.members), "staleness": list(m.staleness),
-             "microbatches": list(m.microbatches)}
-            for m in self.coordinator.rounds if not m.done]
+    return self.before + [_record(m) for m in list(self.coordinator.rounds) if not m.done]
+
+  def rounds(self) -> list:
+    """Every round of the run, once the coordinator has ended."""
+    if self.coordinator is not None:
+      self.coordinator.join()
+    return self.records()
+
+  def own(self) -> dict:
+    return {"computed": list(self.replica.computed)}
+
+  def shared(self) -> dict:
+    """The coordinator's resume point (process 0's: the one the meta keeps)."""
+    point = real_lib.Resume() if self.coordinator is None else self.coordinator.resume_point()
+    return {"coordinator": dataclasses.asdict(point)}
 
   def summary(self) -> dict:
     return {"computed": self.replica.computed, "compiled_groups": self.groups.compiled}
 
-  def state_dict(self, layout) -> dict:
-    raise NotImplementedError("ssaw / async over processes keep no checkpoint")
+  def state_dict(self, layout) -> None:
+    """Nothing beyond the parameters: at a cut no gradient is in flight."""
+    del layout
+
+
+def _record(m: real_lib.Message) -> dict:
+  return {"version": m.version, "elapsed_s": m.elapsed_s, "samples": m.samples,
+          "members": list(m.members), "staleness": list(m.staleness),
+          "microbatches": list(m.microbatches)}
 
 
 class LocalSGD:
@@ -108,13 +148,13 @@ class LocalSGD:
   every `local_steps` steps and at the end, one all-reduce of the parameters and the outer
   step. The processes step in lockstep, so they save the same checkpoints together."""
 
-  resumable = True
+  steps_together = True
 
   def __init__(self, ex):
     self.ex, self.k = ex, 0
     self.next_eval = ex.run.eval_every
     self.params = self.replicas = self.momentum = self.averager = None
-    self.records: list = []
+    self.log: list = []             # a record per local step
     self.start, self.elapsed_before = None, 0.0   # the clock; seconds before a resume
 
   @property
@@ -123,7 +163,8 @@ class LocalSGD:
 
   def warm_up(self, saved: dict | None) -> None:
     """Compiles the local step and the outer step (on copies), then starts from the run's
-    state or continues the checkpoint's (`saved`: `state_dict`'s keys and "records")."""
+    state or continues the checkpoint's (`saved`: "host", `state_dict`'s arrays; "meta", the
+    meta's "sync" facts)."""
     ex, run = self.ex, self.ex.run
     key = (ex.local, run.sync.outer, run.sync.outer_lr, run.sync.outer_momentum)
     if key not in _AVERAGERS:
@@ -137,7 +178,7 @@ class LocalSGD:
     scratch, _ = ex.programs.local(copy(self.replicas), batch, ex.plan)
     jax.block_until_ready(self.averager(copy(self.params), scratch.params, copy(self.momentum)))
     if saved is not None:
-      self._load(saved)
+      self._load(saved["host"], saved["meta"]["records"])
 
   def update(self) -> tuple[dict, int, dict]:
     ex, run, me = self.ex, self.ex.run, jax.process_index()
@@ -162,15 +203,28 @@ class LocalSGD:
     jax.block_until_ready(self.replicas)
     ex.state = engine_lib.TrainState(self.params, ex.state.opt_state)
     elapsed = time.perf_counter() - self.start
-    self.records.append({"version": step, "elapsed_s": elapsed,
+    self.log.append({"version": step, "elapsed_s": elapsed,
                          "samples": step * run.batch_size})
     return terms, step * run.batch_size, {"sync/elapsed_s": elapsed, "sync/outer": float(outer)}
 
   def finish(self) -> None:
     pass
 
+  def checkpoint(self, finished: bool) -> None:
+    """None: the loop's cadence decides (the processes step together)."""
+    del finished
+
+  def records(self) -> list:
+    return self.log
+
   def rounds(self) -> list:
-    return self.records
+    return self.log
+
+  def own(self) -> dict:
+    return {}
+
+  def shared(self) -> dict:
+    return {}
 
   def summary(self) -> dict:
     return {}
@@ -189,7 +243,7 @@ class LocalSGD:
             "next_eval": np.int64(self.next_eval),
             "elapsed_s": np.float64(multihost_utils.broadcast_one_to_all(elapsed))}
 
-  def _load(self, saved: dict) -> None:
+  def _load(self, saved: dict, records: list) -> None:
     ex, me = self.ex, jax.process_index()
     forms, layout = ex.programs.forms, ex.layout
     mine = {leaf: x[me:me + 1] for leaf, x in saved["replicas"].items()}
@@ -199,4 +253,4 @@ class LocalSGD:
                                     ex.local.param_shardings, leading=0)
     self.k, self.next_eval = int(saved["step"]), int(saved["next_eval"])
     self.elapsed_before = float(saved["elapsed_s"])
-    self.records = list(saved["records"])
+    self.log = list(records)

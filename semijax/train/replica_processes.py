@@ -18,14 +18,14 @@ parameters; the summary's "sync"/"curve" pairs each with the seconds since the s
 it existed. Process 0 writes the metrics and every round (members, staleness, microbatches,
 seconds) to workdir/sync_rounds.json.
 
-Checkpoints: local_sgd runs save and resume exactly (their processes step in lockstep, so
-they save together, and a SIGTERM stops them at one step): the center parameters are the
-checkpoint's train state (a synchronous run of the same model can load it); every process's
-replica and the outer momentum are its host state ("sync", gathered: `process_modes.LocalSGD`);
-the curve so far is validated at the save and kept in the meta with the records. ssaw / async
-runs keep none yet: their in-flight state (gradients computed on older versions, the
-coordinator's rounds) spans the processes, which do not step together; a run in a workdir that
-holds a checkpoint is refused.
+Checkpoints: every process saves together, the global parameters as the train state (a
+synchronous run of the same model can load it) and in the meta the curve so far (validated at
+the save), the records and each process's update count. local_sgd's processes step in lockstep:
+they save every checkpoint_every steps, with every replica and the outer momentum as host state
+(gathered), and a SIGTERM stops them at one step. ssaw / async processes do not step together:
+they save where the rounds say (`own_checkpoints`), at a cut (a round of every replica, after
+which none holds a gradient) and at the end, under the round's version
+(`process_modes.Rounds`).
 """
 
 from __future__ import annotations
@@ -107,24 +107,34 @@ class ProcessReplicas:
     self.base.init(seed)
     self.state = _rehome(self.base.state, self.local.state_shardings(self.base.state.params))
 
+  @property
+  def own_checkpoints(self) -> bool:
+    """ssaw / async: the rounds say when to save (a cut, and the end); local_sgd's processes
+    step together, so the loop's cadence holds for them."""
+    return not self.mode.steps_together
+
   def restore(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> tuple[int, str]:
-    """local_sgd: the center parameters through the wrapped executor (onto this run's layout),
-    this process's replica and the outer momentum at warm-up (see module doc)."""
-    mode = self.run.sync.mode
-    if not self.mode.resumable:
-      raise ConfigError(f"--workdir: it holds a checkpoint (step {step}); multi-process "
-                        f"sync.mode {mode!r} runs do not resume yet: use a new workdir")
-    if meta.get("sync_mode") != mode or "sync" not in meta:
+    """The global parameters through the wrapped executor (onto this run's layout); the mode's
+    state (local_sgd's replicas, the coordinator's resume point) loads at warm-up."""
+    mode, processes = self.run.sync.mode, jax.process_count()
+    sync = meta.get("sync")
+    if meta.get("sync_mode") != mode or sync is None:
       raise ConfigError(
           f"config.sync.mode: the checkpoint at step {step} in {ckpt.directory} was saved by a "
           f"{meta.get('sync_mode', 'sync')!r} run with {meta.get('processes', 1)} process(es); "
           f"this {mode!r} run with one replica per process continues only its own kind (use "
           "another --workdir)")
-    start, saved_with = self.base.restore(ckpt, step, meta)
+    if len(sync["processes"]) != processes:
+      raise ConfigError(
+          f"mesh.data: the checkpoint at step {step} in {ckpt.directory} was saved by "
+          f"{len(sync['processes'])} processes, one replica each; this run has {processes}")
+    _, saved_with = self.base.restore(ckpt, step, meta)
     self.state = _rehome(self.base.state, self.local.state_shardings(self.base.state.params))
-    self.saved = dict(self.base.extra["balance"].pop("sync"), records=meta["sync"]["records"])
-    self.curve, self.seen = list(meta["sync"]["curve"]), int(meta["samples"])
-    return start, saved_with
+    mine = sync["processes"][jax.process_index()]
+    self.saved = {"host": (self.base.extra["balance"] or {}).pop("sync", None), "meta": sync,
+                  "mine": mine}
+    self.curve, self.seen = list(sync["curve"]), int(meta["samples"])
+    return int(mine["updates"]), saved_with
 
   def warm_up(self, step: int) -> str:
     """Compiles this replica's programs and the collectives among the processes; a restored
@@ -151,7 +161,8 @@ class ProcessReplicas:
     metrics = {} if loss is None else {"loss": loss, "accuracy": accuracy}
     delta, self.seen = samples - self.seen, samples
     return executor_lib.StepResult(metrics, time.perf_counter() - t0,
-                                   dict(scalars, **{"sync/samples": samples}), samples=delta)
+                                   dict(scalars, **{"sync/samples": samples}), samples=delta,
+                                   checkpoint=self.mode.checkpoint(self.finished))
 
   def evaluate(self) -> dict:
     """{} before the end (a copy of the parameters was kept where the mode says); at the end,
@@ -164,7 +175,6 @@ class ProcessReplicas:
   def _validate_snapshots(self) -> None:
     """Validates every process's kept copies and adds them to the curve (the same on every
     process: gathered through the key-value store); call on every process together."""
-    store = real_lib.new_store()
     mine = []
     for elapsed, samples, params in self.snapshots:
       params = jax.tree.map(lambda x, s: jax.device_put(x, s), params,
@@ -172,30 +182,35 @@ class ProcessReplicas:
       val = steps_lib.evaluate(self.local, params, self.eval_batches, self.plan)
       mine.append([elapsed, samples, val["val/loss"], val["val/accuracy"]])
     self.snapshots = []
-    store.set(f"eval/{jax.process_index()}", json.dumps(mine))
-    store.barrier("evaluated")
-    curve = self.curve + [p for v in store.dir("eval/").values() for p in json.loads(v)]
-    self.curve = sorted(curve, key=lambda p: (p[1], p[0]))
+    every = real_lib.new_store().gather("eval", mine)
+    self.curve = sorted(self.curve + [p for points in every for p in points],
+                        key=lambda p: (p[1], p[0]))
 
   def save(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> None:
-    """local_sgd (every process at the same step): the center parameters as the train state,
-    every replica and the momentum as host state, the curve so far and the records in the
-    meta. ssaw / async: nothing (see module doc)."""
-    if not self.mode.resumable:
-      return
+    """Every process at once (local_sgd: the same step; ssaw / async: a cut or the end): the
+    global parameters as the train state (the same on every process then), the mode's host
+    state (local_sgd's replicas), and in the meta the curve so far (validated now), the
+    records, each process's update count and the mode's facts (the coordinator's resume
+    point)."""
     self._validate_snapshots()
     base, layout = self.base, self.layout
-    sync = self.mode.state_dict(layout)
+    host = self.mode.state_dict(layout)
+    every = real_lib.new_store().gather("save", dict(self.mode.own(),
+                                                     updates=meta["data_position"]))
     logical = base.engine.to_logical(_rehome(self.state, base.engine.state_shardings(
         self.state.params)), layout)
     meta = dict(meta, layout=layout.to_json(), sync_mode=self.run.sync.mode,
                 processes=jax.process_count(),
-                sync={"curve": self.curve, "records": self.mode.rounds()})
-    ckpt.save(step, logical, meta, dict(base.balancer.state_dict() or {}, sync=sync))
+                sync=dict(self.mode.shared(), curve=self.curve, records=self.mode.records(),
+                          processes=every))
+    extra = dict(base.balancer.state_dict() or {})
+    if host is not None:
+      extra["sync"] = host
+    ckpt.save(step, logical, meta, extra or None)
 
   def summary(self, base: dict) -> executor_lib.Finish:
     """The sync keys; process 0 writes the rounds and the curve to workdir/sync_rounds.json."""
-    run, rounds = self.run, self.mode.rounds()
+    run, rounds = self.run, self.mode.rounds()      # (waits for the coordinator's end)
     if jax.process_index() == 0:
       with open(os.path.join(self.workdir, ROUNDS_NAME), "w") as f:
         json.dump({"mode": run.sync.mode, "rounds": rounds, "curve": self.curve}, f)

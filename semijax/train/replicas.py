@@ -48,6 +48,7 @@ class Replicas:
   """
 
   step_name = "update"
+  own_checkpoints = False
 
   def __init__(self, run: config_lib.RunConfig, base, placement: executor_lib.Placement,
                meta: dict | None = None):

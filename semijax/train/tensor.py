@@ -83,6 +83,7 @@ class TensorParallel:
   """
 
   step_name = "step"
+  own_checkpoints = False
 
   def __init__(self, run: config_lib.RunConfig, workdir: str, engine_cache: dict | None = None):
     feed_index, feeds = mesh_lib.batch_feed(run.mesh.make())

@@ -16,8 +16,9 @@ Each step k (1-based; it trains on global batch k - 1) is the executor's, then: 
 (the last good checkpoint stays intact); evaluation every eval_every steps and at the last; a
 record (workdir/metrics.jsonl and TensorBoard on process 0, and a progress line) every
 log_every steps, at every evaluation, at the last step and whenever the executor has something
-to say (a balancing change); a checkpoint every checkpoint_every steps and at the last; then
-the hooks (`executor.Hook`). Asked to stop (SIGTERM; `preemption`), the run saves a
+to say (a balancing change); a checkpoint every checkpoint_every steps and at the last (or
+where the executor says, for processes that do not step together); then the hooks
+(`executor.Hook`). Asked to stop (SIGTERM; `preemption`), the run saves a
 checkpoint at the next step boundary (every process at the same step), says "preempted at step
 N" and returns; the rerun resumes there. The console (process 0) shows where the run starts, the warm-up,
 the executor's notes, progress lines and a final summary; library chatter goes to the absl log.
@@ -149,9 +150,12 @@ class Trainer:
           next_eval += run.eval_every
       self._record(step, result, scalars, applied, last)
       preempted = self.preemption is not None and self.preemption.reached(step) and not last
-      if (run.checkpoint_every and step % run.checkpoint_every == 0) or last or preempted:
-        executor.save(self.ckpt, step, {"data_position": step, "samples": applied,
-                                        "model": run.model.to_dict()})
+      save_as = result.checkpoint if executor.own_checkpoints else (
+          step if (run.checkpoint_every and step % run.checkpoint_every == 0) or last or
+          preempted else None)
+      if save_as is not None:
+        executor.save(self.ckpt, save_as, {"data_position": step, "samples": applied,
+                                           "model": run.model.to_dict()})
       for hook in self.hooks:
         hook(step, scalars)
       if preempted:

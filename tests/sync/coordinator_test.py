@@ -143,17 +143,18 @@ def simulated(clock):
     real.time = saved
 
 
-def coordinate(durations, mode="ssaw", steps=4, known=True, **kw):
+def coordinate(durations, mode="ssaw", steps=4, known=True, cut_every=0, **kw):
   """(every message the coordinator published, the job) of a run whose replica r takes
   durations[r] seconds per microbatch; `known`: the coordinator starts knowing those durations
-  (else it learns them from the first arrivals)."""
+  (else it learns them from the first arrivals); a cut every `cut_every` samples."""
   clock = Clock()
   r = len(durations)
   job = Job(clock, durations, steps * r)
   settings = settings_lib.SyncSettings(mode=mode, **kw)
   coordinator = real.Coordinator(job, settings, r, batch_size=r * MICROBATCH,
                                  total_microbatches=steps * r, learning_rate=learning_rate,
-                                 eval_every_samples=2 * r * MICROBATCH)
+                                 eval_every_samples=2 * r * MICROBATCH,
+                                 checkpoint_every_samples=cut_every)
   if known:
     for rep, d in zip(coordinator.replicas, durations):
       rep.estimate_s = d
@@ -210,7 +211,8 @@ def test_message_round_trip():
   assert json.loads(text) == {"version": 7, "members": [0, 2, 3], "weights": [0.5, 0.0, 0.5],
                               "lr_factor": 0.75, "source": 2, "join": True, "samples": 40,
                               "elapsed_s": 12.5, "snapshot": True, "staleness": [1, 0, 2],
-                              "microbatches": [9, -1, 11], "done": False}
+                              "microbatches": [9, -1, 11], "done": False,
+                              "checkpoint": False}
   back = real.Message.from_json(text)
   assert back == msg and isinstance(back.members, tuple) and hash(back) == hash(msg)
   assert real.Message.from_json(real.Message(done=True).to_json()).done
@@ -272,6 +274,54 @@ def test_the_end_of_the_stream_waits_for_everyone():
   last = rounds[-1]
   assert (last.members, last.microbatches, last.staleness) == ((0, 1, 2), (5, -1, 2), (0, 0, 2))
   assert last.weights[1] == 0.0 and last.snapshot and last.samples == 12
+
+
+def test_a_cut_waits_for_every_replica_once_the_samples_reach_a_multiple():
+  # Replica 1 takes 3 s a microbatch, replica 0 one: without cuts replica 0 runs ahead in rounds
+  # of its own. A cut every 8 samples (4 microbatches): once the samples applied reach 8, the
+  # next round waits for replica 1 and holds both; after it no gradient is in flight.
+  free, _ = coordinate([1.0, 3.0], steps=8, grace=0.25)
+  rounds, _ = coordinate([1.0, 3.0], steps=8, grace=0.25, cut_every=8)
+  assert not any(m.checkpoint for m in free)
+  cuts = [m for m in rounds if m.checkpoint]
+  assert cuts and all(m.members == (0, 1) for m in cuts)
+  before = [m.samples for m in rounds if not m.done]
+  for cut in cuts:
+    i = rounds.index(cut)
+    previous = rounds[i - 1].samples if i else 0
+    # the cut is the first round after the samples reached a multiple of 8
+    assert previous >= 8 and previous // 8 > max([0] + [c.samples // 8 for c in cuts
+                                                         if c.version < cut.version])
+    assert cut.microbatches[1] >= 0 and cut.staleness[0] == 0   # replica 1 brought its gradient
+  assert before != [m.samples for m in free if not m.done]      # the cuts changed the rounds
+  applied = sorted(j for m in rounds for j in m.microbatches if j >= 0)
+  assert applied == list(range(16))                             # every microbatch once
+  assert rounds[-1].done and rounds[-1].samples == 32
+
+
+def test_a_resumed_coordinator_continues_from_its_cut():
+  clock, r = Clock(), 2
+  job = Job(clock, [1.0, 1.0], 4 * r)
+  resume = real.Resume(version=5, applied=12, elapsed_s=30.0, next_eval=16, next_cut=20)
+  job.kv["claim"] = str(12 // MICROBATCH)           # as the resumed run sets it
+  coordinator = real.Coordinator(job, settings_lib.SyncSettings(mode="ssaw"), r,
+                                 batch_size=r * MICROBATCH, total_microbatches=4 * r,
+                                 learning_rate=learning_rate,
+                                 eval_every_samples=2 * r * MICROBATCH,
+                                 checkpoint_every_samples=8, resume=resume)
+  job.version = [5, 5]
+  for i in range(r):
+    job.start(i)
+  with simulated(clock):
+    coordinator.start()
+    coordinator.join()
+  *rounds, done = coordinator.rounds
+  assert [m.version for m in rounds] == [6]
+  assert rounds[0].microbatches == (6, 7) and rounds[0].samples == 16
+  assert rounds[0].elapsed_s == pytest.approx(31.0)     # the seconds before the cut count
+  assert rounds[0].snapshot                              # the evaluation it was due for
+  assert done.done and done.version == 6 and done.samples == 16
+  assert coordinator.resume_point() == real.Resume(6, 16, 31.0, 24, 20)
 
 
 def test_a_failure_ends_the_run_and_tells_the_replicas():
