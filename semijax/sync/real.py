@@ -142,6 +142,8 @@ class Message:
     done: no more rounds.
     checkpoint: a cut: every replica is a member and none holds a gradient after it, so all
       hold the same state and save it together.
+    stop: a cut after which every replica saves and stops (a process was asked to stop: key
+      "stop" in the store); no round follows.
   """
 
   version: int = 0
@@ -157,6 +159,7 @@ class Message:
   microbatches: tuple = ()
   done: bool = False
   checkpoint: bool = False
+  stop: bool = False
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self))
@@ -221,6 +224,7 @@ class Coordinator:
     self._open_s = 0.0
     self._next_eval = resume.next_eval or eval_every_samples
     self._next_cut = resume.next_cut or checkpoint_every_samples
+    self._stop = False        # a process asked to stop (before the end of the stream)
     self._posts = 0           # posts taken
     self._deadline = None     # the grace deadline the coordinator waits for, if any
     self._thread = threading.Thread(target=self._run, name="semijax-ssaw-coordinator",
@@ -271,11 +275,14 @@ class Coordinator:
         r.estimate_s = now - r.started_s
 
   def _decide(self) -> bool:
-    """Publishes a round (or the end) if the rule says so; True when the run is over."""
+    """Publishes a round (or the end) if the rule says so; True when the run is over (or
+    stops)."""
     self._deadline = None
     ready = [i for i, r in enumerate(self.replicas) if r.ready is not None]
     if not ready:
       return False
+    if not self._stop and self.store.try_get("stop") is not None:
+      self._stop = self.store.increment("claim", 0) < self.total   # at the end: just finish
     flying = [i for i, r in enumerate(self.replicas) if r.ready is None]
     contributors = [i for i in ready if self.replicas[i].ready["samples"] > 0]
     if not flying:
@@ -283,7 +290,7 @@ class Coordinator:
         self._publish(Message(version=self.version, samples=self.applied, done=True))
         return True
       if contributors:
-        self._close(ready)
+        return self._close(ready)
       return False
     if (self.settings.mode == "sync" or self.store.increment("claim", 0) >= self.total or
         self.cut_due):
@@ -308,15 +315,16 @@ class Coordinator:
   @property
   def cut_due(self) -> bool:
     """Whether the next round is a cut (the samples applied reached the next multiple of
-    checkpoint_every_samples)."""
-    return bool(self.cut_every) and self.applied >= self._next_cut
+    checkpoint_every_samples, or a process asked to stop)."""
+    return (bool(self.cut_every) and self.applied >= self._next_cut) or self._stop
 
   def resume_point(self) -> Resume:
     """What a coordinator resuming after the last round needs (read right after a cut)."""
     last = next((m.elapsed_s for m in reversed(self.rounds) if not m.done), self._before_s)
     return Resume(self.version, self.applied, last, self._next_eval, self._next_cut)
 
-  def _close(self, members: list[int]) -> None:
+  def _close(self, members: list[int]) -> bool:
+    """Publishes the round of `members`; True if it is the cut the run stops at."""
     reps = [self.replicas[i] for i in members]
     samples = [r.ready["samples"] for r in reps]
     staleness = [self.version - r.ready["base"] if r.ready["samples"] else 0 for r in reps]
@@ -330,7 +338,7 @@ class Coordinator:
         self.learning_rate(self.applied / self.batch_size) * comb.lr_scale / at_count)
     source = min(i for i in members if self.replicas[i].state_version == self.version)
     cut = self.cut_due and len(members) == self.num_replicas
-    while cut and self._next_cut <= self.applied + comb.samples:
+    while cut and self.cut_every and self._next_cut <= self.applied + comb.samples:
       self._next_cut += self.cut_every
     self.applied += comb.samples
     snapshot = self.applied >= self._next_eval or (
@@ -342,12 +350,14 @@ class Coordinator:
     msg = Message(self.version + 1, tuple(members), tuple(float(x) for x in w), float(factor),
                   source, any(r.state_version < self.version for r in reps), self.applied,
                   now - self._t0, snapshot, tuple(staleness),
-                  tuple(r.ready["microbatch"] for r in reps), checkpoint=cut)
+                  tuple(r.ready["microbatch"] for r in reps), checkpoint=cut,
+                  stop=cut and self._stop)
     self.version += 1
     for r in reps:
       r.state_version, r.started_s, r.ready = self.version, now, None
     self._open_s = now
     self._publish(msg)
+    return msg.stop
 
   def _publish(self, msg: Message) -> None:
     self.rounds.append(msg)

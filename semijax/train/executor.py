@@ -42,6 +42,8 @@ class StepResult:
       are only at an average).
     checkpoint: for an executor with `own_checkpoints`, the id to save a checkpoint under
       after this step (the same on every process), or None for none.
+    stop: for an executor with `own_checkpoints`, the run stops after this step's checkpoint
+      (it was asked to: preempted).
   """
 
   metrics: dict
@@ -51,6 +53,7 @@ class StepResult:
   samples: int | None = None
   evaluable: bool = True
   checkpoint: int | None = None
+  stop: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

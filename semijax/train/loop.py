@@ -100,9 +100,10 @@ def train_and_evaluate(config, workdir: str, *, after_warmup: Callable[[], None]
     stack.callback(executor.close)
     if run.sync.mode != "sync":     # replicas that do not step together
       executor = _replicas(run, executor, workdir)
-    stop = None        # processes that do not step together cannot agree on a step to stop at
-    if not executor.own_checkpoints:
-      stop = stack.enter_context(preemption.Preemption())
+    # Processes that do not step together stop where their executor says (it hears the SIGTERM).
+    stop = stack.enter_context(preemption.Preemption(by_process=executor.own_checkpoints))
+    if executor.own_checkpoints:
+      executor.preemption, stop = stop, None
     loop = trainer_lib.Trainer(run, workdir, executor, stack, hooks, stop)
     return loop.train(after_warmup)
 

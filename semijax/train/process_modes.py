@@ -37,7 +37,9 @@ class Rounds:
   round of every replica, after which none holds a gradient and all hold the same state), which
   the coordinator makes once the samples applied reach a multiple of checkpoint_every x
   batch_size, and at the end. A resumed run's coordinator starts at the cut's version and
-  samples, its microbatch counter at the microbatches applied (all were, at a cut)."""
+  samples, its microbatch counter at the microbatches applied (all were, at a cut). A process
+  that heard a SIGTERM (`ex.preemption`) asks the coordinator to stop; the next round is a cut
+  after which every process saves and stops (`stopping`)."""
 
   steps_together = False
 
@@ -45,7 +47,9 @@ class Rounds:
     self.ex, self.coordinator, self.replica, self.groups = ex, None, None, None
     self.started = False
     self.cut = None                 # the version of the cut the last update applied, if one
+    self.stopping = False           # that cut is the one the run stops at
     self.before: list = []          # the records of the rounds before a resume (process 0)
+    self.store, self._asked = None, False
 
   @property
   def done(self) -> bool:
@@ -54,7 +58,7 @@ class Rounds:
   def warm_up(self, saved: dict | None) -> None:
     ex, run = self.ex, self.ex.run
     r, local, programs = run.mesh.data, ex.local, ex.programs
-    store = real_lib.new_store()
+    self.store = store = real_lib.new_store()
     if local not in _GROUPS:
       _GROUPS[local] = real_lib.GroupPrograms(local, ex.base.engine.mesh, ex.state)
     self.groups = _GROUPS[local]
@@ -87,12 +91,15 @@ class Rounds:
       self.started = True
       if self.coordinator is not None:
         self.coordinator.start()
+    if ex.preemption is not None and ex.preemption.requested and not self._asked:
+      self.store.set("stop", str(jax.process_index()))
+      self._asked = True
     ex.state, msg, terms = self.replica.next_round(ex.state, ex.batches.microbatch)
     self.cut = None
     if msg is None:
       return None, ex.seen, {}
     if msg.checkpoint:
-      self.cut = msg.version
+      self.cut, self.stopping = msg.version, msg.stop
     if msg.snapshot and msg.source == jax.process_index():
       ex.snapshots.append((msg.elapsed_s, msg.samples, jax.device_get(ex.state.params)))
     return terms, msg.samples, {"sync/elapsed_s": msg.elapsed_s,
@@ -149,6 +156,7 @@ class LocalSGD:
   step. The processes step in lockstep, so they save the same checkpoints together."""
 
   steps_together = True
+  stopping = False                 # (a SIGTERM stops it through the loop)
 
   def __init__(self, ex):
     self.ex, self.k = ex, 0

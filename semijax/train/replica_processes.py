@@ -95,6 +95,7 @@ class ProcessReplicas:
     self.mode = (process_modes.LocalSGD if run.sync.mode == "local_sgd" else
                  process_modes.Rounds)(self)
     self.state, self.programs, self.saved = None, None, None
+    self.preemption = None          # ssaw / async: the SIGTERM this process heard (the loop's)
     self.snapshots: list = []       # (seconds, samples, host params) this process kept
     self.seen = 0                   # the run's samples applied as of this replica's last step
     self.finished = False
@@ -162,7 +163,8 @@ class ProcessReplicas:
     delta, self.seen = samples - self.seen, samples
     return executor_lib.StepResult(metrics, time.perf_counter() - t0,
                                    dict(scalars, **{"sync/samples": samples}), samples=delta,
-                                   checkpoint=self.mode.checkpoint(self.finished))
+                                   checkpoint=self.mode.checkpoint(self.finished),
+                                   stop=self.mode.stopping)
 
   def evaluate(self) -> dict:
     """{} before the end (a copy of the parameters was kept where the mode says); at the end,

@@ -149,7 +149,8 @@ class Trainer:
         while next_eval * batch <= applied:
           next_eval += run.eval_every
       self._record(step, result, scalars, applied, last)
-      preempted = self.preemption is not None and self.preemption.reached(step) and not last
+      preempted = result.stop or (self.preemption is not None and
+                                  self.preemption.reached(step) and not last)
       save_as = result.checkpoint if executor.own_checkpoints else (
           step if (run.checkpoint_every and step % run.checkpoint_every == 0) or last or
           preempted else None)
@@ -159,8 +160,8 @@ class Trainer:
       for hook in self.hooks:
         hook(step, scalars)
       if preempted:
-        say(f"preempted at step {step}: saved {self.ckpt.folder(step)}; rerun the same command "
-            "to continue")
+        say(f"preempted at step {step}: saved {self.ckpt.folder(save_as)}; rerun the same "
+            "command to continue")
         return dict(self._summary(tally, "stopped"), preempted=step)
     return self._summary(tally)
 

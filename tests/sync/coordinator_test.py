@@ -212,7 +212,7 @@ def test_message_round_trip():
                               "lr_factor": 0.75, "source": 2, "join": True, "samples": 40,
                               "elapsed_s": 12.5, "snapshot": True, "staleness": [1, 0, 2],
                               "microbatches": [9, -1, 11], "done": False,
-                              "checkpoint": False}
+                              "checkpoint": False, "stop": False}
   back = real.Message.from_json(text)
   assert back == msg and isinstance(back.members, tuple) and hash(back) == hash(msg)
   assert real.Message.from_json(real.Message(done=True).to_json()).done
@@ -297,6 +297,29 @@ def test_a_cut_waits_for_every_replica_once_the_samples_reach_a_multiple():
   applied = sorted(j for m in rounds for j in m.microbatches if j >= 0)
   assert applied == list(range(16))                             # every microbatch once
   assert rounds[-1].done and rounds[-1].samples == 32
+
+
+@pytest.mark.parametrize("at_end", [False, True])
+def test_a_stop_request_makes_the_next_round_a_cut_and_ends_the_rounds(at_end):
+  clock = Clock()
+  job = Job(clock, [1.0, 3.0], 8 if not at_end else 2)
+  coordinator = real.Coordinator(job, settings_lib.SyncSettings(mode="ssaw", grace=0.25), 2,
+                                 batch_size=2 * MICROBATCH, total_microbatches=job.total,
+                                 learning_rate=learning_rate,
+                                 eval_every_samples=2 * MICROBATCH)
+  job.kv["stop"] = "1"            # a process heard a SIGTERM
+  for i in range(2):
+    job.start(i)
+  with simulated(clock):
+    coordinator.start()
+    coordinator.join()
+  if at_end:                      # every microbatch is claimed already: the run just finishes
+    assert [m.stop for m in coordinator.rounds] == [False, False]
+    assert coordinator.rounds[-1].done
+    return
+  (cut,) = coordinator.rounds     # replica 1 was waited for; nothing after the cut
+  assert cut.checkpoint and cut.stop and cut.members == (0, 1) and cut.elapsed_s == 3.0
+  assert cut.microbatches == (0, 1) and cut.samples == 2 * MICROBATCH
 
 
 def test_a_resumed_coordinator_continues_from_its_cut():

@@ -12,6 +12,7 @@ the reference is synchronous training."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -168,40 +169,64 @@ def test_local_sgd_in_two_processes_matches_one_process(tmp_path):
 RESUMED = {"local_sgd": {}, "ssaw": {"sync.staleness_bound": 0}}
 
 
+def launch_in_background(cmd, log_dir):
+  """The launcher as a scheduler runs it, in its own process (it forwards a SIGTERM)."""
+  return subprocess.Popen(
+      [sys.executable, "-m", "semijax.runtime.launch", "--num_processes=2",
+       "--devices_per_process=1", f"--log_dir={log_dir}", "--timeout_s=300", "--"] + cmd,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def wait_for(launcher, ready):
+  deadline = time.monotonic() + 300
+  while not ready():
+    assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+    time.sleep(0.02)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds process 1 through /proc")
 @pytest.mark.parametrize("mode", sorted(RESUMED))
-def test_two_processes_resume_exactly_after_process_1_is_killed(tmp_path, mode):
-  # local_sgd (local_steps 2) saves at steps 3 and 6, between averages: each replica's own
+def test_two_processes_resume_exactly_after_a_kill_and_a_sigterm(tmp_path, mode):
+  # local_sgd (local_steps 2) saves every 3 steps, between averages: each replica's own
   # parameters and optimizer state, the momentum and the center must all come back. ssaw saves
-  # at the cuts its coordinator makes once 3 batches more were applied (versions 4 and 7).
-  steps = 10
+  # at the cuts its coordinator makes once 3 batches more were applied (versions 4, 7, ...).
+  # Process 1 is killed after step 5; the rerun is stopped by a SIGTERM to the launcher; the
+  # third run finishes.
+  steps = 14
   overrides = dict(RESUMED[mode], steps=steps, checkpoint_every=3, eval_every=4)
   reference = launch.launch(train_command(tmp_path / "whole", mode, **overrides), 2,
                             devices_per_process=1, timeout_s=300, log_dir=str(tmp_path / "w"))
   assert reference.ok, reference.failure_message()
 
-  workdir = tmp_path / "killed"
+  workdir = tmp_path / "run"
   cmd = train_command(workdir, mode, **overrides)
-  launcher = subprocess.Popen(
-      [sys.executable, "-m", "semijax.runtime.launch", "--num_processes=2",
-       "--devices_per_process=1", f"--log_dir={tmp_path / 'k'}", "--timeout_s=300", "--"] + cmd,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      env=dict(os.environ, PYTHONPATH=ROOT))
-  path, deadline = workdir / "metrics.jsonl", time.monotonic() + 300
-  while not (path.exists() and len(path.read_text().splitlines()) >= 5):
-    assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-    time.sleep(0.02)
+  path = workdir / "metrics.jsonl"
+  lines = lambda: len(path.read_text().splitlines()) if path.exists() else 0
+  launcher = launch_in_background(cmd, tmp_path / "k")
+  wait_for(launcher, lambda: lines() >= 5)
   os.kill(H.job_process_pid(str(workdir), 1), signal.SIGKILL)
   launcher.communicate(timeout=300)
   assert launcher.returncode != 0                  # the job stopped as a whole
-  saved = max(map(int, os.listdir(workdir / "checkpoints")))
-  assert saved in ((3, 6) if mode == "local_sgd" else (4, 7))
+  killed_at = max(map(int, os.listdir(workdir / "checkpoints")))
+  assert killed_at in ((3, 6) if mode == "local_sgd" else (4, 7))
+
+  launcher = launch_in_background(cmd, tmp_path / "t")
+  log = tmp_path / "t" / "process0.log"
+  wait_for(launcher, lambda: (log.exists() and f"resumed from step {killed_at} " in
+                              log.read_text() and lines() >= killed_at + 2))
+  launcher.send_signal(signal.SIGTERM)
+  out, err = launcher.communicate(timeout=300)
+  assert launcher.returncode == 0, err
+  (stopped_at,) = map(int, re.findall(r"^\[0\] preempted at step (\d+)", out, re.M))
+  assert killed_at < stopped_at < steps
+  assert f"checkpoints/{stopped_at}; rerun" in out
 
   rerun = launch.launch(cmd, 2, devices_per_process=1, timeout_s=300,
                         log_dir=str(tmp_path / "r"))
   assert rerun.ok, rerun.failure_message()
-  assert f"resumed from step {saved} " in open(rerun.log_paths[0]).read()
+  assert f"resumed from step {stopped_at} " in open(rerun.log_paths[0]).read()
   records = metrics.read_jsonl(str(path))
   whole = metrics.read_jsonl(str(tmp_path / "whole" / "metrics.jsonl"))
   assert [r["step"] for r in records] == list(range(1, steps + 1))    # every update once
@@ -214,7 +239,7 @@ def test_two_processes_resume_exactly_after_process_1_is_killed(tmp_path, mode):
   with open(tmp_path / "whole" / replica_processes.ROUNDS_NAME) as f:
     expected = json.load(f)
   assert [r["samples"] for r in out["rounds"]] == [BATCH * (k + 1) for k in range(steps)]
-  if mode == "ssaw":        # every microbatch applied once, across the kill
+  if mode == "ssaw":        # every microbatch applied once, across the kill and the stop
     assert sorted(j for r in out["rounds"] for j in r["microbatches"]) == list(range(2 * steps))
   assert [p[1] for p in out["curve"]] == [p[1] for p in expected["curve"]]
   np.testing.assert_allclose([p[2] for p in out["curve"]], [p[2] for p in expected["curve"]],
