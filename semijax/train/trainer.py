@@ -18,10 +18,11 @@ record (workdir/metrics.jsonl and TensorBoard on process 0, and a progress line)
 log_every steps, at every evaluation, at the last step and whenever the executor has something
 to say (a balancing change); a checkpoint every checkpoint_every steps and at the last (or
 where the executor says, for processes that do not step together); then the hooks
-(`executor.Hook`). Asked to stop (SIGTERM; `preemption`), the run saves a
-checkpoint at the next step boundary (every process at the same step), says "preempted at step
-N" and returns; the rerun resumes there. The console (process 0) shows where the run starts, the warm-up,
-the executor's notes, progress lines and a final summary; library chatter goes to the absl log.
+(`executor.Hook`). Asked to stop (SIGTERM; `preemption`, or the executor's `StepResult.stop`),
+the run saves a checkpoint at the next step boundary (every process at once), says "preempted
+at step N" and returns; the rerun resumes there. The console (process 0) shows where the run
+starts, the warm-up, the executor's notes, progress lines and a final summary; library chatter
+goes to the absl log.
 The checkpoint manager and the metric writer are closed on every path out (the caller's
 `contextlib.ExitStack`), a NaN loss and an exception included.
 """
