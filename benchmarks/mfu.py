@@ -2,8 +2,8 @@
 
 A device that computes w of its units runs GEMMs of width w; its step does the model FLOPs of
 those units (`step_flops`). MFU is those FLOPs per second over the device's peak for the step's
-compute dtype (`peak_tflops`: a table of dense tensor-core peaks, TF32 for float32, which is the
-precision XLA runs float32 matmuls in on those GPUs, or a given number).
+compute dtype (`peak_tflops`: the library's table of dense peaks, `semijax.core.flops`, or a
+given number).
 """
 
 from __future__ import annotations
@@ -13,25 +13,9 @@ import time
 import jax
 import numpy as np
 
-# Dense tensor-core peaks (TFLOP/s, datasheet, without sparsity) by compute dtype and device kind
-# (a substring of `device_kind`; H100 as the SXM part). float32 matmuls run in TF32 on these GPUs
-# under JAX's default matmul precision.
-PEAK_TFLOPS = {
-    "float32": {"H200": 494.7, "H100": 494.7, "A100": 156.0, "L40S": 183.0, "L4": 60.0,
-                "A10": 62.5},
-    "bfloat16": {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
-                 "A10": 125.0},
-}
-PEAK_TFLOPS["float16"] = PEAK_TFLOPS["bfloat16"]
+from semijax.core import flops
 
-
-def peak_tflops(device_kind: str, given: float = 0.0, dtype: str = "float32") -> float | None:
-  """`given` if positive, else the table's peak for `device_kind` computing in `dtype`, else None
-  (unknown)."""
-  if given > 0:
-    return float(given)
-  table = PEAK_TFLOPS.get(dtype, {})
-  return next((v for k, v in table.items() if k.lower() in device_kind.lower()), None)
+PEAK_TFLOPS, peak_tflops = flops.PEAK_TFLOPS, flops.peak_tflops     # the library's table
 
 
 def step_flops(spec, widths: dict, tokens: int, vocab_size: int) -> float:

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from benchmarks import report
+from semijax.balance import probe as probe_lib
 from semijax.balance import speed
 from semijax.core import layout as layout_lib
 from semijax.runtime import contention
@@ -56,6 +57,10 @@ from semijax.train import metrics as metrics_lib
 SCENARIOS = ("none", "steady", "bursts")
 EMULATED = ("static_profile", "rotating")
 POLICIES = ("even", "static", "resize", "migrate", "offload", "semi")
+# A controlled policy with another speed source: "semi@probe" is semi measuring with the probe
+# (`balance.measure`), beside "semi" with the default source; for comparing the sources.
+MEASURED = tuple(f"{p}@{m}" for p in ("resize", "migrate", "offload", "semi")
+                 for m in ("sched", "probe"))
 PROFILE = (8.0, 6.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0)
 ROTATING = (8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 SAME_SPEED = 0.9     # oracle speeds all at least this (relative): the cores are equal
@@ -132,8 +137,12 @@ def policy_config(base, policy: str, oracle_speeds, seed: int | None = None,
   the work every device repeats at its own speed; `static` gets the time-balanced split at
   `oracle_speeds` with that work (`split_counts`: the oracle; even when every speed is within
   `SAME_SPEED` of the fastest, as for two idle cores measured with noise), which compiles
-  exactly its own widths. `fit_repeat` False: the controlled policies hold `repeat`."""
+  exactly its own widths. `fit_repeat` False: the controlled policies hold `repeat`.
+  "policy@measure" (`MEASURED`) also sets `balance.measure`."""
   c = copy.deepcopy(base)
+  policy, _, measure = policy.partition("@")
+  if measure:
+    c.balance.measure = measure
   c.balance.policy = policy
   c.balance.repeat_share = repeat
   c.balance.fit_repeat = fit_repeat
@@ -294,7 +303,11 @@ def _timed_split(out: str, base, counts: dict, name: str, cache: dict, core: int
 def _probe_times(base, core: int) -> dict:
   """{"none" | "steady": relative device times [N]} of the busy probe (`measure_speeds`), the
   speeds' fallback where the scheduler keeps no stats."""
-  probe = speed.Probe(base.balance.probe_size, base.balance.probe_repeats)
+  run = config_lib.validate(base)
+  block = probe_lib.ProbeShape.of_block(
+      run.model, run.batch_size // run.mesh.data * run.model.seq_len, run.mesh.tensor)
+  probe = probe_lib.Probe(probe_lib.ProbeShape.configured(base.balance.probe_size, block),
+                          base.balance.probe_repeats)
   probe.warm_up()
   return {pattern: measure_speeds(probe, core, pattern, seconds)[0]
           for pattern, seconds in (("none", 2.0), ("steady", 3.0))}

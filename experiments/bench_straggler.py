@@ -37,7 +37,9 @@ _OUT = flags.DEFINE_string("out", "results/bench_straggler", "Output directory."
 _MODE = flags.DEFINE_enum("mode", "all", ["all", "real", "emulated"], "Which part to run.")
 _SCENARIOS = flags.DEFINE_list("scenarios", list(sb.SCENARIOS), "Real-contention scenarios.")
 _EMULATED = flags.DEFINE_list("emulated", list(sb.EMULATED), "Emulated scenarios.")
-_POLICIES = flags.DEFINE_list("policies", list(sb.POLICIES), "Policies to compare.")
+_POLICIES = flags.DEFINE_list("policies", list(sb.POLICIES),
+                              "Policies to compare; POLICY@MEASURE (semi@probe) with that "
+                              "balance.measure.")
 _ROUNDS = flags.DEFINE_integer("rounds", sb.ROUNDS, "Runs of every cell (interleaved rounds).",
                                lower_bound=1)
 _ON = flags.DEFINE_float("on_s", None, "Bursts: seconds on (default 4 quick, 20 full).")
@@ -62,7 +64,7 @@ def main(argv):
   mode = _MODE.value
   _check(_SCENARIOS.value, sb.SCENARIOS, "scenarios")
   _check(_EMULATED.value, sb.EMULATED, "emulated")
-  _check(_POLICIES.value, sb.POLICIES, "policies")
+  _check(_POLICIES.value, sb.POLICIES + sb.MEASURED, "policies")
   if "even" not in _POLICIES.value or "static" not in _POLICIES.value:
     raise app.UsageError("--policies: must include 'even' and 'static' (the ratios' references)")
   with cli.one_line_errors():         # $SEMIJAX_TRANSPORT_NICE, checked before anything runs

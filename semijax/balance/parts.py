@@ -17,7 +17,9 @@ from semijax.balance import cost as cost_lib
 from semijax.balance import decisions as decisions_lib
 from semijax.balance import policies as policies_lib
 from semijax.balance import priority as priority_lib
+from semijax.balance import probe as probe_lib
 from semijax.balance import sampling as sampling_lib
+from semijax.core import mesh as mesh_lib
 from semijax.core import plan as plan_lib
 
 
@@ -35,14 +37,15 @@ def cost_model(engine, spec, settings, resize_spec, buckets) -> cost_lib.CostMod
 
 
 def build(engine, *, settings, resize_spec, hetero, spec, layout, workdir: str | None,
-          steps_per_epoch: int, seed: int) -> dict:
+          steps_per_epoch: int, seed: int, batch_size: int) -> dict:
   """The parts of the balancer a run's typed config asks for (see module doc).
 
   Args:
     engine: the run's engine; settings: `BalanceSettings`; resize_spec: `resize.ResizeSpec`;
     hetero: `core.emulation.Hetero`; spec: `core.spec.ModelSpec`; layout: the configured
     layout; workdir: where decisions.jsonl goes (process 0), or None; steps_per_epoch: steps
-    per pass over the data (default epoch of resizing); seed: for the random priority.
+    per pass over the data (default epoch of resizing); seed: for the random priority;
+    batch_size: the global batch (a model-shaped probe runs one device's tokens of it).
 
   Returns:
     {"policy", "buckets", "resizer", "controller", "sampler", "log"}: the `coordinator.Balancer`
@@ -64,7 +67,10 @@ def build(engine, *, settings, resize_spec, hetero, spec, layout, workdir: str |
     controller = controller_lib.Controller(
         policy, settings, cost, policy.initial_setup(buckets.start),
         buckets_lib.capacities(buckets.big), engine.unit_bytes())
-    sampler = sampling_lib.SpeedSampler(settings, hetero, engine.mesh)
+    data = engine.mesh.shape[mesh_lib.DATA]
+    block = probe_lib.ProbeShape.of_block(spec, max(1, batch_size // data) * spec.seq_len,
+                                          layout.num_devices)
+    sampler = sampling_lib.SpeedSampler(settings, hetero, engine.mesh, block)
     if workdir is not None and jax.process_index() == 0:
       log = decisions_lib.DecisionLog(workdir)
   return {"policy": policy, "buckets": buckets, "resizer": resizer, "controller": controller,

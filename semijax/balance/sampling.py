@@ -1,7 +1,7 @@
 """Speed sampling in a training loop: when to measure, from what, and the shared clock.
 
 Every `probe_every` steps (every step when the slowdown is emulated) `SpeedSampler.after_step`
-takes one sample: each process measures its devices (`speed.SchedShare` or `speed.Probe`), the
+takes one sample: each process measures its devices (`speed.SchedShare` or `probe.Probe`), the
 numbers and the mean step time since the last sample are shared between processes
 (`KeyValueGather`), and the tracker (`speed.SpeedTracker`) updates the regime. The shared
 clock (the sum of shared mean step times) and the smoothed step time are identical on every
@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax._src import distributed as jax_distributed   # the job's key-value store client
 
+from semijax.balance import probe as probe_lib
 from semijax.balance import settings as settings_lib
 from semijax.balance import speed as speed_lib
 from semijax.core import emulation
@@ -102,13 +103,16 @@ class KeyValueGather:
     return times, most
 
 
-def resolve_measure(measure: str, hetero: emulation.Hetero) -> str:
-  """The speed source `measure` ("auto" resolved): emulated, sched or probe."""
+def resolve_measure(measure: str, hetero: emulation.Hetero, backend: str | None = None) -> str:
+  """The speed source `measure` ("auto" resolved): emulated where a slowdown is emulated; sched
+  on the CPU backend where the host has it (the CPU share of a process's threads is its
+  devices' speed there, and nowhere else); else probe. `backend`: default JAX's."""
   if measure != "auto":
     return measure
   if hetero.slowdown is not None:
     return "emulated"
-  return "sched" if speed_lib.SchedShare.available() else "probe"
+  backend = jax.default_backend() if backend is None else backend
+  return "sched" if backend == "cpu" and speed_lib.SchedShare.available() else "probe"
 
 
 class SpeedSampler:
@@ -118,15 +122,19 @@ class SpeedSampler:
     settings: `BalanceSettings` (measure, probe_every, probe sizes, tracker knobs).
     hetero: the emulated slowdown (the speed source when measuring "emulated").
     mesh: the run's mesh (which device is which tensor position).
+    block: the model's `probe.ProbeShape` (`ProbeShape.of_block`), which the probe runs unless
+      `probe_size` asks for a square one; None: only a square probe can run.
   """
 
-  def __init__(self, settings: settings_lib.BalanceSettings, hetero: emulation.Hetero, mesh):
+  def __init__(self, settings: settings_lib.BalanceSettings, hetero: emulation.Hetero, mesh,
+               block: probe_lib.ProbeShape | None = None):
     self.hetero, self.mesh = hetero, mesh
     self.measure = resolve_measure(settings.measure, hetero)
     self.every = 1 if self.measure == "emulated" else settings.probe_every
     self.probe = None
     if self.measure == "probe":
-      self.probe = speed_lib.Probe(settings.probe_size, settings.probe_repeats)
+      self.probe = probe_lib.Probe(probe_lib.ProbeShape.configured(settings.probe_size, block),
+                                   settings.probe_repeats)
     elif self.measure == "sched":
       self.probe = speed_lib.SchedShare()
     num_devices = mesh.shape[mesh_lib.TENSOR]

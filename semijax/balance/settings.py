@@ -25,9 +25,12 @@ class BalanceSettings:
     num_widths: compute widths compiled in that bucket (0 = `layout.num_widths`).
   Measuring speeds:
     measure: "emulated" (the `hetero.slowdown` profile), "sched" (Linux scheduler stats), "probe"
-      (timing a small matmul) or "auto" (emulated if a profile is set, else sched, else probe).
+      (timing the model's MLP block on every device at once, `probe.Probe`) or "auto"
+      (emulated if a profile is set, else sched on CPU devices, else probe).
     probe_every: steps between speed samples (and decisions) of real runs.
-    probe_size, probe_repeats: the probe's [size, size] matmuls, this many in a row.
+    probe_size: 0 = the probe runs the model's MLP block on one device's tokens of a step;
+      else [size, size] matmuls.
+    probe_repeats: passes of the probe in a row.
     speed_alpha: weight of a new sample in a regime's smoothed speeds (log space).
     change_threshold: a device off its regime's speed by this factor is deviating ...
     confirm: ... and a deviation that lasts this many samples on that device is a new regime.
@@ -63,8 +66,8 @@ class BalanceSettings:
   num_widths: int = 0
   measure: str = "auto"
   probe_every: int = 4
-  probe_size: int = 128
-  probe_repeats: int = 4
+  probe_size: int = 0
+  probe_repeats: int = 1
   speed_alpha: float = 0.3
   change_threshold: float = 0.2
   confirm: int = 2
@@ -111,7 +114,7 @@ class BalanceSettings:
       v = getattr(self, name)
       if not _is_number(v) or not v >= lo:
         raise ConfigError(f"{f}.{name}: must be a number >= {lo}, got {v!r}")
-    for name, lo in (("probe_every", 1), ("probe_size", 1), ("probe_repeats", 1), ("confirm", 1),
+    for name, lo in (("probe_every", 1), ("probe_size", 0), ("probe_repeats", 1), ("confirm", 1),
                      ("patience", 1), ("keep_grid", 1), ("min_dwell_steps", 0),
                      ("num_widths", 0)):
       v = getattr(self, name)

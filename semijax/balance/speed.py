@@ -5,8 +5,9 @@ Where the speeds come from:
     the numbers are shared with `gather_times`, so every process sees the same numbers and makes
     the same decisions (the controller's inputs must be identical on every process of an SPMD
     program). On Linux CPUs `SchedShare` reads the share of CPU time the process got while it
-    was ready to run from the kernel's scheduler statistics (exact, costs no compute); elsewhere
-    `Probe` times a small fixed computation (a local matmul chain, no collectives);
+    was ready to run from the kernel's scheduler statistics (exact, costs no compute); on GPUs,
+    TPUs and hosts without those statistics `probe.Probe` times the model's MLP block on every
+    device at once (no collectives);
   * emulated runs (one process, fake devices): the emulated slowdown factor of each device stands
     in for its probe time (`hetero.slowdown` is exactly "time of the same work").
 
@@ -21,50 +22,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from semijax.core import mesh as mesh_lib
-
-
-class Probe:
-  """Times a fixed local computation on each of this process's devices.
-
-  Args:
-    size: the matmul is [size, size] @ [size, size], repeated `repeats` times in one program.
-    repeats: matmuls per probe (2 * size**3 * repeats FLOPs).
-    devices: the devices to time (default: this process's devices).
-  """
-
-  def __init__(self, size: int = 128, repeats: int = 4, devices=None):
-    if size < 1 or repeats < 1:
-      raise ValueError(f"balance.probe_size / probe_repeats must be >= 1, got {size}, {repeats}")
-    self.devices = list(devices if devices is not None else jax.local_devices())
-    self.flops = 2.0 * size ** 3 * repeats
-
-    def chain(a):
-      return jax.lax.fori_loop(0, repeats, lambda _, x: jnp.tanh(x @ a), a)
-
-    self._fn = jax.jit(chain)
-    x = np.random.default_rng(0).standard_normal((size, size)).astype(np.float32) / size
-    self._inputs = [jax.device_put(x, d) for d in self.devices]
-
-  def warm_up(self) -> None:
-    """Compiles the probe for every device (outside the hot path)."""
-    for x in self._inputs:
-      self._fn(x).block_until_ready()
-
-  def measure(self) -> dict[int, float]:
-    """{device id: seconds} of one probe on each local device, run one after another."""
-    out = {}
-    for d, x in zip(self.devices, self._inputs):
-      t0 = time.perf_counter()
-      self._fn(x).block_until_ready()
-      out[d.id] = time.perf_counter() - t0
-    return out
 
 
 class SchedShare:

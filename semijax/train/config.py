@@ -39,6 +39,7 @@ from semijax.errors import LayoutError
 from semijax.sync import settings as sync_settings_lib
 from semijax.train import data as data_lib
 from semijax.train import optimizer as optimizer_lib
+from semijax.train import profile as profile_lib
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -112,14 +113,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance = ml_collections.ConfigDict()
   c.balance.policy = "static"      # even | static | resize | migrate | offload | semi
   # Speeds from: "emulated" (the hetero.slowdown profile), "sched" (Linux scheduler stats: the
-  # CPU share each process gets), "probe" (timing a small matmul); "auto": emulated if
-  # hetero.slowdown is set, else sched where available, else probe.
+  # CPU share each process gets; CPU devices only), "probe" (timing the model's MLP block on
+  # every device at once); "auto": emulated if hetero.slowdown is set, else sched on CPU
+  # devices where available, else probe.
   c.balance.measure = "auto"
   c.balance.capacity_factor = 2.0  # dynamic policies: bucket capacity = factor x the even share
   c.balance.num_widths = 0         # compute widths in that bucket; 0 = layout.num_widths
   c.balance.probe_every = 4        # steps between speed samples (and decisions)
-  c.balance.probe_size = 128       # probe: [size, size] matmuls ...
-  c.balance.probe_repeats = 4      # ... this many in a row
+  c.balance.probe_size = 0         # probe: 0 = the model's MLP block; else [size, size] matmuls
+  c.balance.probe_repeats = 1      # probe passes in a row
   c.balance.speed_alpha = 0.3      # weight of a new speed sample in a regime's smoothed speeds
   c.balance.change_threshold = 0.2 # a speed change by this factor is a candidate new regime ...
   c.balance.confirm = 2            # ... once it lasts this many samples (shorter: a burst)
@@ -196,6 +198,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.labels = ""               # npy: int labels [N].
   c.data.val_fraction = 0.1        # Held-out share for validation.
   c.data.eval_batches = 4          # gpt: validation batches per evaluation.
+
+  # Performance accounting (semijax.train.profile): a jax.profiler trace into the workdir's
+  # TensorBoard directory, and the MFU every step's record gets.
+  c.profile = ml_collections.ConfigDict()
+  c.profile.start_step = 0         # The first step traced (1-based); 0 = no trace.
+  c.profile.num_steps = 3          # Steps traced from there.
+  c.profile.peak_tflops = 0.0      # One device's peak for MFU; 0 = the table's for its kind.
   return c
 
 
@@ -250,6 +259,8 @@ class RunConfig:
     balance: the balancing policy and its knobs. optimizer, data: their settings.
     source: the config as a plain dict (what workdir/config.json records).
     sync: how data-parallel replicas combine (`config.sync`, `hetero.replica_slowdown`).
+    pipeline: a pipelined or planned run's settings, else None.
+    profile: the trace and the MFU peak (`config.profile`).
   """
 
   seed: int
@@ -270,6 +281,7 @@ class RunConfig:
   source: dict = dataclasses.field(compare=False, repr=False)
   sync: sync_settings_lib.SyncSettings = sync_settings_lib.SyncSettings()
   pipeline: "PipelineSpec | None" = None
+  profile: profile_lib.ProfileSpec = profile_lib.ProfileSpec()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,14 +437,15 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   hetero = emulation.Hetero(slowdown, config.hetero.device_gflops,
                             config.hetero.rotate_every).validate(mesh.tensor)
   resize = _resize(config.resize, mesh.tensor)
-  balance = _balance(config, hetero, resize)
+  balance = _balance(config, hetero, resize,
+                     None if num_devices is None else jax.default_backend())
   optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer)
   data = data_lib.DataSpec.from_config(config)
   sync = _sync(config, mesh, balance, resize, num_devices, process_count)
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
-                   sync=sync)
+                   sync=sync, profile=profile_lib.ProfileSpec.from_config(config))
 
 
 PIPELINE_POLICIES = ("even", "static")
@@ -539,7 +552,7 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer,
                    data_lib.DataSpec.from_config(config), config.to_dict(), sync=sync,
-                   pipeline=pipeline)
+                   pipeline=pipeline, profile=profile_lib.ProfileSpec.from_config(config))
 
 
 def _syncs(config) -> tuple[str, ...]:
@@ -664,14 +677,19 @@ def _resize(r, num_devices: int) -> resize_spec_lib.ResizeSpec:
       fractions=parse_numbers(r.fractions, "config.resize.fractions")).validate(num_devices)
 
 
-def _balance(config, hetero: emulation.Hetero,
-             resize: resize_spec_lib.ResizeSpec) -> settings_lib.BalanceSettings:
-  """`config.balance` -> validated `BalanceSettings`, and the combinations it cannot run."""
+def _balance(config, hetero: emulation.Hetero, resize: resize_spec_lib.ResizeSpec,
+             backend: str | None = None) -> settings_lib.BalanceSettings:
+  """`config.balance` -> validated `BalanceSettings`, and the combinations it cannot run
+  (`backend`: the devices' platform, None = not checked)."""
   known = {f.name for f in dataclasses.fields(settings_lib.BalanceSettings)}
   settings = settings_lib.BalanceSettings(**{k: v for k, v in config.balance.items()
                                              if k in known}).validate(policies_lib.REGISTRY)
   if settings.measure == "emulated" and hetero.slowdown is None:
     raise ConfigError("config.balance.measure: 'emulated' needs config.hetero.slowdown")
+  if settings.measure == "sched" and backend not in (None, "cpu"):
+    raise ConfigError(f"config.balance.measure: 'sched' reads the CPU share of the host's "
+                      f"threads, which says nothing of a {backend} device's speed; use 'probe' "
+                      "or 'auto'")
   if settings.policy == "even":
     for kind in ("mlp", "heads"):
       if parse_counts(config.layout[kind], f"config.layout.{kind}") != "even":

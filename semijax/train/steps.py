@@ -14,7 +14,8 @@ from semijax.core import transport
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
 
-CONSOLE_NAMES = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "val_accuracy"}
+CONSOLE_NAMES = {"train/loss": "loss", "val/loss": "val_loss", "val/accuracy": "val_accuracy",
+                 "train/mfu": "mfu"}
 
 
 def start_together(name: str) -> None:

@@ -94,7 +94,7 @@ class TensorParallel:
         self.engine, settings=run.balance, resize_spec=run.resize, hetero=run.hetero,
         spec=run.model, layout=run.layout, workdir=workdir,
         steps_per_epoch=self.dataset.steps_per_epoch, seed=run.seed,
-        emulator=build_emulator(run))
+        emulator=build_emulator(run), batch_size=run.batch_size)
     self.state, self.extra, self.plan = None, None, None
     self._eval_batches = None
 

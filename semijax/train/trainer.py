@@ -40,6 +40,7 @@ from semijax.train import config as config_lib
 from semijax.train import executor as executor_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import preemption as preemption_lib
+from semijax.train import profile as profile_lib
 from semijax.train import steps as steps_lib
 
 say = metrics_lib.say
@@ -59,6 +60,7 @@ class Trainer:
   Attributes:
     ckpt, writer, progress: the run's checkpointer, metric writer and progress line; start:
     the step it resumes after (0: from the seed); samples: the examples trained by then.
+    trace, throughput: the profiler trace of `config.profile` and each step's TFLOP/s and MFU.
   """
 
   def __init__(self, run: config_lib.RunConfig, workdir: str, executor: executor_lib.Executor,
@@ -73,6 +75,9 @@ class Trainer:
     self.writer = stack.enter_context(metrics_lib.MetricWriter(workdir, resume_step=self.start))
     self.writer.write_config(run.source)
     self.progress = metrics_lib.Progress(run.steps, unit=run.model.unit, start_step=self.start)
+    self.trace = profile_lib.Trace(run.profile, self.writer.tensorboard_dir)
+    stack.callback(self.trace.close)
+    self.throughput = profile_lib.Throughput(run.model, run.profile.peak_tflops)
 
   def _restore_or_init(self) -> tuple[int, int]:
     """(the step the run continues after, the samples trained by then): the newest intact
@@ -133,7 +138,9 @@ class Trainer:
     next_eval = (applied // (run.eval_every * batch) + 1) * run.eval_every
     while applied < budget:
       step += 1
+      self.trace.before(step)
       result = executor.step(step - 1)
+      self.trace.after(step)
       loss = result.metrics.get("loss")
       if loss is not None:
         steps_lib.stop_if_not_finite(loss, step, self.writer, self.ckpt)
@@ -170,7 +177,8 @@ class Trainer:
                ) -> dict:
     run = self.run
     return dict(steps_lib.scalars(result.metrics, learning_rate, result.seconds, run.model.unit,
-                                  samples * run.model.items_per_example), **result.scalars)
+                                  samples * run.model.items_per_example),
+                **self.throughput.scalars(samples, result.seconds), **result.scalars)
 
   def _record(self, step: int, result: executor_lib.StepResult, scalars: dict, applied: int,
               last: bool) -> None:

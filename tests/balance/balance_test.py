@@ -100,7 +100,8 @@ def test_migrations_switch_buckets_and_keep_the_state(monkeypatch):
   engine = train.build_engine(run)
   b = coordinator.Balancer.create(engine, settings=run.balance, resize_spec=run.resize,
                                   hetero=run.hetero, spec=run.model, layout=run.layout,
-                                  workdir=None, steps_per_epoch=100, seed=0)
+                                  workdir=None, steps_per_epoch=100, seed=0,
+                                  batch_size=run.batch_size)
   start = b.layout
   assert start.mlp.capacity == 16 and start.heads.capacity == 2
   state = engine.init(0, start)

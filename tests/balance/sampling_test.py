@@ -49,6 +49,10 @@ def test_measure_resolves_auto():
   assert sampling.resolve_measure("auto", emulation.Hetero((2.0, 1.0))) == "emulated"
   assert sampling.resolve_measure("probe", emulation.Hetero((2.0, 1.0))) == "probe"
   assert sampling.resolve_measure("auto", emulation.Hetero()) in ("sched", "probe")
+  # The CPU share of the host's threads is a speed only for CPU devices: a GPU or TPU is probed.
+  for backend in ("gpu", "tpu"):
+    assert sampling.resolve_measure("auto", emulation.Hetero(), backend) == "probe", backend
+  assert sampling.resolve_measure("auto", emulation.Hetero((2.0, 1.0)), "gpu") == "emulated"
 
 
 def test_decision_log_writes_json_lines_and_closes(tmp_path):

@@ -1,7 +1,7 @@
-"""The speed sources on synthetic inputs: scheduler statistics written to a fake /proc, probe
-timings from a scripted clock, and the tracker's smoothing, each against numbers worked out by
-hand; then the sampler that wires `balance.measure`, `probe_size`, `probe_repeats`,
-`probe_every` and `speed_alpha` into them."""
+"""The speed sources on synthetic inputs: scheduler statistics written to a fake /proc and the
+tracker's smoothing, each against numbers worked out by hand; then the sampler that wires
+`balance.measure`, `probe_size`, `probe_repeats`, `probe_every` and `speed_alpha` into them
+(the probe itself: probe_test.py)."""
 
 import shutil
 import types
@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from semijax.balance import probe as probe_lib
 from semijax.balance import sampling
 from semijax.balance import settings as settings_lib
 from semijax.balance import speed
@@ -73,52 +74,6 @@ def test_sched_share_is_floored_and_unavailable_without_counters(proc, tmp_path,
   assert not speed.SchedShare.available()
 
 
-class ScriptedClock:
-  """`time.perf_counter` for the probe: each device's timing reads (start, start + seconds) of
-  the next entry of `durations` (one per device, in the order they are timed)."""
-
-  def __init__(self, durations):
-    self.reads = []
-    t = 100.0
-    for seconds in durations:
-      self.reads += [t, t + seconds]
-      t += seconds + 7.0          # gaps between timings must not count
-    self.reads.reverse()
-
-  def perf_counter(self):
-    return self.reads.pop()
-
-
-def chain(a, repeats):
-  """The probe's work, written again in numpy: x <- tanh(x @ a), `repeats` times, from x = a."""
-  x = np.asarray(a, np.float64)
-  for _ in range(repeats):
-    x = np.tanh(x @ np.asarray(a, np.float64))
-  return x
-
-
-def assert_probe_runs(probe, size, repeats):
-  """The probe times `repeats` chained [size, size] matmuls on each of its devices."""
-  assert [x.shape for x in probe._inputs] == [(size, size)] * len(probe.devices)
-  assert [next(iter(x.devices())) for x in probe._inputs] == probe.devices
-  a = np.random.default_rng(1).standard_normal((size, size)).astype(np.float32)
-  np.testing.assert_allclose(np.asarray(probe._fn(a)), chain(a, repeats), rtol=1e-4, atol=1e-5)
-
-
-def test_probe_reports_each_device_time_from_its_own_timing(monkeypatch):
-  devices = jax.local_devices()[:3]
-  probe = speed.Probe(size=5, repeats=3, devices=devices)
-  assert_probe_runs(probe, 5, 3)
-  probe.warm_up()
-  monkeypatch.setattr(speed, "time", ScriptedClock([0.25, 1.5, 0.5, 0.75, 0.25, 2.0]))
-  assert probe.measure() == {d.id: pytest.approx(s, rel=1e-12)
-                             for d, s in zip(devices, [0.25, 1.5, 0.5])}
-  assert probe.measure() == {d.id: pytest.approx(s, rel=1e-12)
-                             for d, s in zip(devices, [0.75, 0.25, 2.0])}
-  with pytest.raises(ValueError, match="probe_size / probe_repeats"):
-    speed.Probe(size=4, repeats=0, devices=devices)
-
-
 def test_tracker_smooths_a_regime_with_speed_alpha_in_log_space():
   # Speeds inside the threshold move the regime by a weighted geometric mean: the old level
   # with weight 1 - alpha, the new sample with alpha, then the fastest is 1 again.
@@ -152,17 +107,17 @@ def test_probe_sampler_uses_the_probe_settings_and_the_slowest_replica(monkeypat
                                           change_threshold=0.3).validate()
   monkeypatch.setattr(speed.SchedShare, "available", classmethod(lambda cls: False))
   mesh, grid = mesh_2x4()
-  s = sampling.SpeedSampler(settings, emulation.Hetero(), mesh)
+  block = probe_lib.ProbeShape(rows=32, d_model=8, width=4)
+  s = sampling.SpeedSampler(settings, emulation.Hetero(), mesh, block)
   assert s.measure == "probe" and s.every == 2
-  assert_probe_runs(s.probe, 6, 2)
+  assert s.probe.shape == probe_lib.ProbeShape.square(6) and s.probe.repeats == 2
   s.warm_up()
   # Probe seconds per mesh position (data row, tensor column), for the barrier and 2 samples.
   rows = [np.ones((2, 4)),
           np.array([[1.0, 1.0, 1.0, 2.0], [1.0, 1.5, 1.0, 1.0]]),
           np.array([[1.0, 1.6, 1.0, 1.0], [1.0, 1.0, 1.0, 2.2]])]
   by_id = [{int(d.id): float(t) for d, t in zip(grid.ravel(), r.ravel())} for r in rows]
-  monkeypatch.setattr(speed, "time", ScriptedClock(
-      [times[d.id] for times in by_id for d in s.probe.devices]))
+  monkeypatch.setattr(s.probe, "measure", iter(by_id).__next__)
   s.start()
   first = s.after_step(0, 0.1)
   np.testing.assert_allclose(first.times, [1.0, 1.5, 1.0, 2.0])   # slowest of each column
@@ -176,6 +131,11 @@ def test_probe_sampler_uses_the_probe_settings_and_the_slowest_replica(monkeypat
   old, new = np.array([1, 1 / 1.5, 1, 1 / 2.0]), np.array([1, 1 / 1.6, 1, 1 / 2.2])
   np.testing.assert_allclose(s.tracker.speeds, old ** 0.75 * new ** 0.25, rtol=1e-12)
   assert s.samples == 2
+  # probe_size 0 (the default): the model's block; without its shape the sampler cannot probe.
+  default = settings_lib.BalanceSettings(measure="probe", probe_every=2).validate()
+  assert sampling.SpeedSampler(default, emulation.Hetero(), mesh, block).probe.shape == block
+  with pytest.raises(ValueError, match="^balance.probe_size: 0 probes the model's block"):
+    sampling.SpeedSampler(default, emulation.Hetero(), mesh)
 
 
 def test_sched_sampler_reports_the_process_share_on_every_device(proc, monkeypatch):

@@ -177,6 +177,9 @@ def test_the_oracle_balances_time_with_the_repeated_work():
   semi = sb.policy_config(base, "semi", (1.0, 0.38), repeat=0.35, fit_repeat=False)
   assert semi.balance.repeat_share == 0.35 and semi.balance.policy == "semi"
   assert semi.balance.fit_repeat is False and base.balance.fit_repeat is True
+  assert semi.balance.measure == base.balance.measure == "auto"
+  probed = sb.policy_config(base, "semi@probe", (1.0, 0.38))
+  assert probed.balance.policy == "semi" and probed.balance.measure == "probe"
   # Two idle cores measured with noise: the oracle is the even split.
   assert tuple(sb.policy_config(base, "static", (1.0, 0.95), repeat=0.35).layout.mlp) == (
       512, 512)

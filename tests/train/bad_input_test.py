@@ -104,3 +104,14 @@ def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path, mo
   assert meta["data_position"] == 2
   assert all(np.isfinite(np.asarray(x)).all() for x in H.jax.tree.leaves(state.params))
   assert np.isnan(metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]["train/loss"])
+
+
+def test_measuring_speed_by_cpu_share_is_refused_for_accelerators(monkeypatch):
+  config = tiny_gpt()
+  config.balance.measure = "sched"
+  config_lib.validate(config, num_devices=4)                  # CPU devices: it reads them
+  monkeypatch.setattr(config_lib.jax, "default_backend", lambda: "gpu")
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"^config.balance.measure: 'sched' reads the CPU share .* a gpu "
+                           r"device's speed; use 'probe' or 'auto'"):
+    config_lib.validate(config, num_devices=4)
