@@ -2,17 +2,21 @@
 for pipelined runs, a `pipe` axis (stages) between them.
 
 Axes are ordered by communication intensity: `tensor` (several all-reduces per layer) is the
-inner, fastest-varying axis, so a tensor group sits on neighbouring devices (one host); stage
-boundaries (`pipe`) carry activations only; `data` replicas all-reduce gradients once a step.
+inner, fastest-varying axis, so a tensor group sits on neighbouring devices, inside one host or
+slice (`topology.device_grid`); stage boundaries (`pipe`) carry activations only; `data`
+replicas all-reduce gradients once a step.
 Runs without a pipeline use the (data, tensor) mesh; pipelined ones (data, pipe, tensor).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
+
+from semijax.core import topology
 
 DATA = "data"
 PIPE = "pipe"
@@ -41,7 +45,9 @@ class MeshSpec:
 
 
 def make_mesh(data: int, tensor: int, devices=None) -> jax.sharding.Mesh:
-  """A (data, tensor) mesh over the first data*tensor devices (all processes' devices).
+  """A (data, tensor) mesh over the first data*tensor of `devices` in their order, or by
+  default of all processes' devices placed by the topology (`topology.device_grid`: a tensor
+  group inside a host or slice).
 
   Axis types are Auto: semijax places arrays with explicit NamedShardings and runs TP code in
   `jax.shard_map`, so it needs no sharding-in-types.
@@ -53,18 +59,19 @@ def make_mesh(data: int, tensor: int, devices=None) -> jax.sharding.Mesh:
   for name, size in ((DATA, data), (TENSOR, tensor)):
     if not isinstance(size, (int, np.integer)) or size < 1:
       raise ValueError(f"mesh.{name}: must be a positive integer, got {size!r}")
-  devices = jax.devices() if devices is None else list(devices)
-  if data * tensor > len(devices):
+  available = len(jax.devices() if devices is None else devices)
+  if data * tensor > available:
     raise ValueError(
         f"mesh.data * mesh.tensor = {data} * {tensor} = {data * tensor} devices, but only "
-        f"{len(devices)} are available")
-  return jax.make_mesh((data, tensor), AXES, devices=devices[: data * tensor],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        f"{available} are available")
+  return jax.sharding.Mesh(_grid((data, tensor), devices), AXES,
+                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 def make_pipeline_mesh(data: int, pipe: int, tensor: int, devices=None) -> jax.sharding.Mesh:
-  """A (data, pipe, tensor) mesh over the first data*pipe*tensor of `devices` (default: all),
-  in order: mesh position (d, p, t) is device d*pipe*tensor + p*tensor + t of the list.
+  """A (data, pipe, tensor) mesh over the first data*pipe*tensor of `devices`, in order (mesh
+  position (d, p, t) is device d*pipe*tensor + p*tensor + t of the list: a plan's placement),
+  or by default of all processes' devices placed by the topology (`topology.device_grid`).
 
   Raises:
     ValueError: naming `mesh.data` / `mesh.pipe` / `mesh.tensor` if a size is not a positive
@@ -73,13 +80,20 @@ def make_pipeline_mesh(data: int, pipe: int, tensor: int, devices=None) -> jax.s
   for name, size in ((DATA, data), (PIPE, pipe), (TENSOR, tensor)):
     if not isinstance(size, (int, np.integer)) or size < 1:
       raise ValueError(f"mesh.{name}: must be a positive integer, got {size!r}")
-  devices = jax.devices() if devices is None else list(devices)
-  if data * pipe * tensor > len(devices):
+  available = len(jax.devices() if devices is None else devices)
+  if data * pipe * tensor > available:
     raise ValueError(f"mesh.data * mesh.pipe * mesh.tensor = {data} * {pipe} * {tensor} devices, "
-                     f"but only {len(devices)} are available")
-  grid = np.asarray(devices[: data * pipe * tensor], dtype=object).reshape(data, pipe, tensor)
-  return jax.sharding.Mesh(grid, PIPELINE_AXES,
+                     f"but only {available} are available")
+  return jax.sharding.Mesh(_grid((data, pipe, tensor), devices), PIPELINE_AXES,
                            axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def _grid(shape: tuple[int, ...], devices) -> np.ndarray:
+  """The devices of a mesh of `shape`: the first of `devices` in order, or by default the
+  job's placed by the topology."""
+  if devices is None:
+    return topology.device_grid(shape, jax.devices())
+  return np.asarray(list(devices)[: math.prod(shape)], dtype=object).reshape(shape)
 
 
 def batch_feed(mesh: jax.sharding.Mesh) -> tuple[int, int]:

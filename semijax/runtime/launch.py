@@ -3,10 +3,16 @@ r"""Start N processes on this machine joined by `jax.distributed`, and stop them
   python -m semijax.runtime.launch --num_processes=2 --cores=0:1 -- \
       python experiments/train.py --config configs/gpt_tiny.py:cpu,tensor=2 --workdir /tmp/run
 
+  python -m semijax.runtime.launch --num_processes=2 --platform=gpu --devices_per_process=4 \
+      -- python experiments/train.py --config configs/gpt_tiny.py --workdir /tmp/run
+
 Process i gets SEMIJAX_COORDINATOR=127.0.0.1:<free port>, SEMIJAX_NUM_PROCESSES and
-SEMIJAX_PROCESS_ID (read by `semijax.distributed.initialize`), JAX_PLATFORMS=cpu and
-`--xla_force_host_platform_device_count=<devices_per_process>` in XLA_FLAGS. The coordinator
-binds to loopback only (JAX_COORDINATOR_BIND_ADDRESS).
+SEMIJAX_PROCESS_ID (read by `semijax.distributed.initialize`), and its devices (`child_env`):
+with `platform` "cpu", JAX_PLATFORMS=cpu and `--xla_force_host_platform_device_count=
+<devices_per_process>` in XLA_FLAGS; with "gpu", JAX_PLATFORMS=cuda and its own
+`devices_per_process` GPUs in CUDA_VISIBLE_DEVICES (of those the launcher sees: its own
+CUDA_VISIBLE_DEVICES, else every GPU the driver lists), so no two processes share a GPU. The
+coordinator binds to loopback only (JAX_COORDINATOR_BIND_ADDRESS).
 
 Each child runs in its own session (so its whole process group can be signalled), pinned to
 `cores[i]`, and is killed by the kernel if the launching thread dies (PR_SET_PDEATHSIG). When one
@@ -159,7 +165,39 @@ def with_device_count(xla_flags: str, count: int) -> str:
   return " ".join(kept + [f"{_DEVICE_FLAG}={count}"])
 
 
-def _validate(argv, num_processes, cores, devices_per_process, env, timeout_s, grace_s):
+PLATFORMS = ("cpu", "gpu")
+_NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def visible_gpus(environ=None) -> list[str]:
+  """The GPUs this process may hand out: CUDA_VISIBLE_DEVICES's entries where it is set, else
+  one index per GPU the NVIDIA driver lists (none without the driver)."""
+  environ = os.environ if environ is None else environ
+  if "CUDA_VISIBLE_DEVICES" in environ:
+    return [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+  try:
+    return [str(i) for i in range(len(os.listdir(_NVIDIA_GPUS)))]
+  except OSError:
+    return []
+
+
+def child_env(base: dict, i: int, platform: str, devices_per_process: int,
+              gpus: Sequence[str] = ()) -> dict:
+  """Process i's devices on top of `base` (see module doc): fake CPU devices, or GPUs
+  i * devices_per_process ... of `gpus`."""
+  env = dict(base, SEMIJAX_PROCESS_ID=str(i))
+  if platform == "cpu":
+    env.update(JAX_PLATFORMS="cpu",
+               XLA_FLAGS=with_device_count(base.get("XLA_FLAGS", ""), devices_per_process))
+  else:
+    mine = gpus[i * devices_per_process:(i + 1) * devices_per_process]
+    env.update(JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES=",".join(mine))
+  return env
+
+
+def _validate(argv, num_processes, cores, devices_per_process, env, timeout_s, grace_s,
+              platform) -> list[str]:
+  """Raises ValueError naming a bad argument; returns the GPUs to hand out (platform gpu)."""
   if (not isinstance(argv, (list, tuple)) or not argv or
       not all(isinstance(a, str) for a in argv)):
     raise ValueError(f"argv: need a non-empty list of strings, got {argv!r}")
@@ -179,6 +217,14 @@ def _validate(argv, num_processes, cores, devices_per_process, env, timeout_s, g
     raise ValueError(f"timeout_s: need > 0, got {timeout_s!r}")
   if not grace_s >= 0:
     raise ValueError(f"grace_s: need >= 0, got {grace_s!r}")
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform: {platform!r} is not one of {PLATFORMS}")
+  gpus = visible_gpus(dict(os.environ, **(env or {}))) if platform == "gpu" else []
+  if platform == "gpu" and num_processes * devices_per_process > len(gpus):
+    raise ValueError(f"devices_per_process: {num_processes} processes x {devices_per_process} "
+                     f"GPUs need {num_processes * devices_per_process}, but {len(gpus)} are "
+                     f"visible ({', '.join(gpus) or 'none'})")
+  return gpus
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -240,14 +286,14 @@ def _tail(path: str, nbytes: int = _TAIL_BYTES) -> str:
 def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None = None,
            devices_per_process: int = 1, env: dict | None = None, timeout_s: float = 600,
            log_dir: str | None = None, grace_s: float = 10, stop_s: float = 120,
-           echo: Callable[[str], None] | None = None) -> LaunchResult:
+           echo: Callable[[str], None] | None = None, platform: str = "cpu") -> LaunchResult:
   """Runs `argv` as `num_processes` processes of one jax.distributed job on this machine.
 
   Args:
     argv: the command every process runs (e.g. [sys.executable, "experiments/train.py", ...]).
     num_processes: how many processes.
     cores: cores[i] = the core ids process i is pinned to; None = no pinning.
-    devices_per_process: fake CPU devices per process.
+    devices_per_process: fake CPU devices, or GPUs, per process.
     env: variables added to this process's environment for the children.
     timeout_s: the longest the whole job may run.
     log_dir: where process{i}.log go; None = a new temporary directory.
@@ -255,6 +301,7 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
     stop_s: after `StopRequested` reached the launcher, how long the processes have to save
       and exit before SIGKILL.
     echo: called with each line of process 0's output as it comes (None: only the log).
+    platform: "cpu" (fake devices) or "gpu" (each process its own GPUs; see module doc).
 
   Returns:
     A LaunchResult; `result.ok` is False if a process exited non-zero (the others were stopped).
@@ -263,7 +310,8 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
     ValueError: a bad argument (before anything starts).
     TimeoutError: timeout_s passed; all processes were killed.
   """
-  _validate(argv, num_processes, cores, devices_per_process, env, timeout_s, grace_s)
+  gpus = _validate(argv, num_processes, cores, devices_per_process, env, timeout_s, grace_s,
+                   platform)
   if not stop_s >= 0:
     raise ValueError(f"stop_s: need >= 0, got {stop_s!r}")
   log_dir = log_dir or tempfile.mkdtemp(prefix="semijax-launch-")
@@ -273,8 +321,7 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
   base = dict(os.environ, **(env or {}))
   base.update(SEMIJAX_COORDINATOR=f"127.0.0.1:{port}",
               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",   # not every interface
-              SEMIJAX_NUM_PROCESSES=str(num_processes), JAX_PLATFORMS="cpu",
-              XLA_FLAGS=with_device_count(base.get("XLA_FLAGS", ""), devices_per_process))
+              SEMIJAX_NUM_PROCESSES=str(num_processes))
 
   procs: list[subprocess.Popen] = []
   start = time.monotonic()
@@ -284,7 +331,8 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
     for i in range(num_processes):
       with open(log_paths[i], "wb") as log:   # the child keeps its own copy of the descriptor
         procs.append(subprocess.Popen(
-            list(argv), env=dict(base, SEMIJAX_PROCESS_ID=str(i)), stdin=subprocess.DEVNULL,
+            list(argv), env=child_env(base, i, platform, devices_per_process, gpus),
+            stdin=subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=child_setup(cores[i] if cores else None)))
     while failed is None and None in [p.poll() for p in procs]:   # poll every one
@@ -327,6 +375,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--num_processes", type=int, required=True)
   p.add_argument("--cores", default=None, help="e.g. 0:1 or 0,1:2,3")
   p.add_argument("--devices_per_process", type=int, default=1)
+  p.add_argument("--platform", choices=PLATFORMS, default="cpu",
+                 help="cpu: fake CPU devices; gpu: each process its own GPUs")
   p.add_argument("--timeout_s", type=float, default=600)
   p.add_argument("--grace_s", type=float, default=10)
   p.add_argument("--stop_s", type=float, default=120,
@@ -348,7 +398,8 @@ def main(args: list[str] | None = None) -> int:
                     cores=parse_cores(flags.cores) if flags.cores else None,
                     devices_per_process=flags.devices_per_process, timeout_s=flags.timeout_s,
                     log_dir=flags.log_dir, grace_s=flags.grace_s, stop_s=flags.stop_s,
-                    echo=lambda line: print(f"[0] {line}", flush=True))
+                    echo=lambda line: print(f"[0] {line}", flush=True),
+                    platform=flags.platform)
   except (ValueError, TimeoutError) as e:
     print(f"semijax.launch: {e}", file=sys.stderr)
     return 2

@@ -140,6 +140,9 @@ def test_children_get_cores_and_environment(tmp_path):
     ({"cores": [[0], []]}, r"cores\[1\]"),
     ({"devices_per_process": 0}, "devices_per_process"),
     ({"timeout_s": 0}, "timeout_s"),
+    ({"platform": "tpu"}, "platform"),
+    ({"platform": "gpu", "devices_per_process": 2, "env": {"CUDA_VISIBLE_DEVICES": "0,1,2"}},
+     r"devices_per_process: 2 processes x 2 GPUs need 4, but 3 are visible \(0, 1, 2\)$"),
 ])
 def test_bad_launch_arguments(kwargs, name, monkeypatch):
   def no_start(*args, **kw):
@@ -148,8 +151,39 @@ def test_bad_launch_arguments(kwargs, name, monkeypatch):
   args = {"argv": ["true"], "num_processes": 2, **kwargs}
   if "cores" in kwargs:   # core 0 may not be ours: use the first available one
     args["cores"] = [[CORE if c == 0 else c for c in cs] for cs in kwargs["cores"]]
-  with pytest.raises(ValueError, match=f"^{name}:"):
+  with pytest.raises(ValueError, match=f"^{name}" + ("" if name.endswith("$") else ":")):
     launch.launch(args.pop("argv"), args.pop("num_processes"), **args)
+
+
+def test_gpu_processes_each_get_their_own_gpus(tmp_path, monkeypatch):
+  # The launcher's own CUDA_VISIBLE_DEVICES is what it hands out, in order.
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+  assert launch.visible_gpus() == ["3", "5", "6", "7"]
+  base = {"XLA_FLAGS": "--a=1", "JAX_PLATFORMS": "cpu"}
+  envs = [launch.child_env(base, i, "gpu", 2, launch.visible_gpus()) for i in range(2)]
+  assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,5", "6,7"]
+  assert all(e["JAX_PLATFORMS"] == "cuda" and e["XLA_FLAGS"] == "--a=1" for e in envs)
+  assert [e["SEMIJAX_PROCESS_ID"] for e in envs] == ["0", "1"]
+  cpu = launch.child_env(base, 1, "cpu", 3)
+  assert cpu["JAX_PLATFORMS"] == "cpu" and "CUDA_VISIBLE_DEVICES" not in base
+  assert cpu["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=3"
+  # Without CUDA_VISIBLE_DEVICES: one index per GPU the driver lists.
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+  gpus = tmp_path / "gpus"
+  for bus in ("0000:1b:00.0", "0000:43:00.0"):
+    (gpus / bus).mkdir(parents=True)
+  monkeypatch.setattr(launch, "_NVIDIA_GPUS", str(gpus))
+  assert launch.visible_gpus() == ["0", "1"]
+  monkeypatch.setattr(launch, "_NVIDIA_GPUS", str(tmp_path / "no_driver"))
+  assert launch.visible_gpus() == []
+  # Launched: every child sees its own GPUs (no GPU is touched: the children only print).
+  code = "print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['JAX_PLATFORMS'], sep='|')"
+  result = launch.launch(by_process(code, code), 2, devices_per_process=1, platform="gpu",
+                         env={"CUDA_VISIBLE_DEVICES": "4,2"}, log_dir=str(tmp_path / "logs"),
+                         timeout_s=30)
+  assert result.ok, result.failure_message()
+  got = [open(p).read().splitlines()[1] for p in result.log_paths]
+  assert got == ["4|cuda", "2|cuda"]
 
 
 def test_flag_helpers():
@@ -315,5 +349,5 @@ def test_bad_injector_arguments(kwargs, name, monkeypatch):
   def no_start(*args, **kw):
     raise AssertionError("a process was started")
   monkeypatch.setattr(contention.subprocess, "Popen", no_start)
-  with pytest.raises(ValueError, match=f"^{name}:"):
+  with pytest.raises(ValueError, match=f"^{name}" + ("" if name.endswith("$") else ":")):
     contention.Injector(**{"core": CORE, **kwargs}).start()
