@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On one GPU: semijax's training step against the same GPT written plainly in JAX (GPT-2 small,
-# float32 and bfloat16, bench_peer.py), the branched step (bench_widths.py) and a step's
-# model-FLOPs utilization at the bucket widths (bench_mfu.py), as JSON + markdown under
+# float32 and bfloat16, bench_peer.py), the branched step (bench_widths.py), a step's
+# model-FLOPs utilization at the bucket widths (bench_mfu.py) and a few train.py steps of semi
+# sampling speeds with the probe, its cost per sample and the MFU the metrics show
+# (bench_probe.py), as JSON + markdown under
 # results/gpu/ (or $1), each part with a timeout; a short table of the parts last.
 #
 # Python: the `python3` on PATH when it already has JAX with the wanted backend and semijax's
@@ -17,7 +19,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-results/gpu}"
 PLATFORM="${SEMIJAX_BENCH_PLATFORM:-cuda}"
-PARTS="${SEMIJAX_BENCH_PARTS:-peer widths mfu}"
+PARTS="${SEMIJAX_BENCH_PARTS:-peer widths mfu probe}"
 SITE="${SEMIJAX_BENCH_SITE:-/tmp/semijax-site}"
 export JAX_PLATFORMS="$PLATFORM"
 WANT="gpu"
@@ -76,6 +78,7 @@ if [[ -n "${SEMIJAX_BENCH_TINY:-}" ]]; then      # a smoke run of every part, in
   wants widths && part widths_tiny 300 experiments/bench_widths.py --d_model=64 --heads=4 \
       --d_ff=128 --seq_len=16 --batch=2 --num_widths=3 --repeats=2
   wants mfu && part mfu_tiny 300 experiments/bench_mfu.py --model=tiny --num_widths=3 --steps=2
+  wants probe && part probe_tiny 300 experiments/bench_probe.py --model=tiny --steps=12
 else
   # GPT-2 small (byte vocabulary) on one device: plain JAX, semijax even, semijax branched.
   wants peer && part peer_gpt2_small 480 experiments/bench_peer.py --d_model=768 --d_ff=3072 \
@@ -92,6 +95,8 @@ else
       --d_ff=2048 --seq_len=256 --batch=64 --num_widths=6 --repeats=50 --dtype=bfloat16
   wants mfu && part mfu_gpt_tiny 300 experiments/bench_mfu.py --model=gpt_tiny --num_widths=6 \
       --steps=50
+  # gpt_tiny's GPU size through train.py: semi sampling with the probe every 4 steps.
+  wants probe && part probe_gpt_tiny 300 experiments/bench_probe.py --model=gpt_tiny --steps=60
 fi
 
 {
