@@ -8,7 +8,11 @@ granules from the outermost in (`split_shape`), so `data` and `pipe` cross granu
 stays inside one unless it is larger than a granule; inside a granule,
 `jax.experimental.mesh_utils` orders the devices by the physical topology (a TPU's torus; on
 GPUs, device ids). Granules of unequal sizes (a mesh over a part of the job's devices that
-splits a granule) fall back to the devices' order.
+splits a granule) fall back to the devices' order, and so do CPU devices, which have no
+topology (`jax.devices()` lists them process by process): XLA:CPU runs a collective on a mesh
+from mesh_utils' arrays of its devices into a rendezvous that one device never joined
+(tests/core/pipeline_test.py's layer move, in both runs tried), and on the same devices in a plainly
+built array it does not.
 """
 
 from __future__ import annotations
@@ -45,13 +49,16 @@ def device_grid(shape: Sequence[int], devices: Sequence) -> np.ndarray:
   module doc)."""
   n = math.prod(shape)
   devices = list(devices)[:n]
+  in_order = np.asarray(devices, dtype=object).reshape(tuple(shape))
+  if devices[0].platform == "cpu":
+    return in_order
   attr = granule_attr(devices)
   groups = collections.Counter(getattr(d, attr) for d in devices)
   if len(groups) == 1:
     return mesh_utils.create_device_mesh(tuple(shape), devices, allow_split_physical_axes=True)
   split = split_shape(shape, len(groups))
   if split is None or len(set(groups.values())) != 1:
-    return np.asarray(devices, dtype=object).reshape(tuple(shape))
+    return in_order
   inner, outer = split
   return mesh_utils.create_hybrid_device_mesh(
       inner, outer, devices, process_is_granule=attr == "process_index",
