@@ -53,6 +53,7 @@ from semijax.runtime import hostcpu
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 from semijax.train import metrics as metrics_lib
+from semijax.train import tensor as tensor_lib
 
 SCENARIOS = ("none", "steady", "bursts")
 EMULATED = ("static_profile", "rotating")
@@ -304,8 +305,7 @@ def _probe_times(base, core: int) -> dict:
   """{"none" | "steady": relative device times [N]} of the busy probe (`measure_speeds`), the
   speeds' fallback where the scheduler keeps no stats."""
   run = config_lib.validate(base)
-  block = probe_lib.ProbeShape.of_block(
-      run.model, run.batch_size // run.mesh.data * run.model.seq_len, run.mesh.tensor)
+  block = probe_lib.ProbeShape.of_block(run.model, tensor_lib.step_tokens(run), run.mesh.tensor)
   probe = probe_lib.Probe(probe_lib.ProbeShape.configured(base.balance.probe_size, block),
                           base.balance.probe_repeats)
   probe.warm_up()

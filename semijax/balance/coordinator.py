@@ -86,13 +86,13 @@ class Balancer:
 
   @classmethod
   def create(cls, engine, *, settings, resize_spec, hetero, spec, layout, workdir: str | None,
-             steps_per_epoch: int, seed: int, batch_size: int, emulator=None) -> "Balancer":
+             steps_per_epoch: int, seed: int, tokens: int, emulator=None) -> "Balancer":
     """The balancer a run's typed config asks for: its parts from `parts.build` (the same
     arguments, `emulator` aside: the emulated slowdown, `core.emulation.Emulator`, or None)."""
     return cls(engine, hetero=hetero, emulator=emulator, **parts_lib.build(
         engine, settings=settings, resize_spec=resize_spec, hetero=hetero, spec=spec,
         layout=layout, workdir=workdir, steps_per_epoch=steps_per_epoch, seed=seed,
-        batch_size=batch_size))
+        tokens=tokens))
 
   # --- per step -------------------------------------------------------------------------------
 
@@ -229,3 +229,5 @@ class Balancer:
 
   def close(self) -> None:
     self.log.close()
+    if self.sampler is not None:
+      self.sampler.close()

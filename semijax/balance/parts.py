@@ -19,7 +19,6 @@ from semijax.balance import policies as policies_lib
 from semijax.balance import priority as priority_lib
 from semijax.balance import probe as probe_lib
 from semijax.balance import sampling as sampling_lib
-from semijax.core import mesh as mesh_lib
 from semijax.core import plan as plan_lib
 
 
@@ -37,7 +36,7 @@ def cost_model(engine, spec, settings, resize_spec, buckets) -> cost_lib.CostMod
 
 
 def build(engine, *, settings, resize_spec, hetero, spec, layout, workdir: str | None,
-          steps_per_epoch: int, seed: int, batch_size: int) -> dict:
+          steps_per_epoch: int, seed: int, tokens: int) -> dict:
   """The parts of the balancer a run's typed config asks for (see module doc).
 
   Args:
@@ -45,7 +44,7 @@ def build(engine, *, settings, resize_spec, hetero, spec, layout, workdir: str |
     hetero: `core.emulation.Hetero`; spec: `core.spec.ModelSpec`; layout: the configured
     layout; workdir: where decisions.jsonl goes (process 0), or None; steps_per_epoch: steps
     per pass over the data (default epoch of resizing); seed: for the random priority;
-    batch_size: the global batch (a model-shaped probe runs one device's tokens of it).
+    tokens: the tokens one tensor group computes in a step (a model-shaped probe's rows).
 
   Returns:
     {"policy", "buckets", "resizer", "controller", "sampler", "log"}: the `coordinator.Balancer`
@@ -67,9 +66,7 @@ def build(engine, *, settings, resize_spec, hetero, spec, layout, workdir: str |
     controller = controller_lib.Controller(
         policy, settings, cost, policy.initial_setup(buckets.start),
         buckets_lib.capacities(buckets.big), engine.unit_bytes())
-    data = engine.mesh.shape[mesh_lib.DATA]
-    block = probe_lib.ProbeShape.of_block(spec, max(1, batch_size // data) * spec.seq_len,
-                                          layout.num_devices)
+    block = probe_lib.ProbeShape.of_block(spec, tokens, layout.num_devices)
     sampler = sampling_lib.SpeedSampler(settings, hetero, engine.mesh, block)
     if workdir is not None and jax.process_index() == 0:
       log = decisions_lib.DecisionLog(workdir)

@@ -148,6 +148,11 @@ class SpeedSampler:
     self.probe_s = 0.0
     self._pending: list[float] = []
 
+  def close(self) -> None:
+    """Ends the probe's waiting threads, if it has any."""
+    if isinstance(self.probe, probe_lib.Probe):
+      self.probe.close()
+
   def warm_up(self) -> None:
     """Compiles the probe (outside the hot path)."""
     if self.probe is not None:

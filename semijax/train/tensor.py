@@ -32,6 +32,11 @@ def build_engine(run: config_lib.RunConfig) -> engine_lib.Engine:
                            optimizer_lib.make(run.optimizer, run.steps))
 
 
+def step_tokens(run: config_lib.RunConfig) -> int:
+  """Tokens one tensor group computes in a step: its data replica's rows x seq_len."""
+  return run.batch_size // run.mesh.data * run.model.seq_len
+
+
 def build_emulator(run: config_lib.RunConfig) -> emulation.Emulator | None:
   """The emulated slowdown of a run (`config.hetero.slowdown`, `hetero.replica_slowdown`), or
   None. Emulated replicas need an emulator even without a tensor profile (their tensor groups'
@@ -45,8 +50,8 @@ def build_emulator(run: config_lib.RunConfig) -> emulation.Emulator | None:
     factor = max(replicas) if run.sync.mode == "sync" else 1.0
     hetero = dataclasses.replace(hetero, slowdown=tuple(
         s * factor for s in (slowdown or (1.0,) * run.mesh.tensor)))
-  tokens = run.batch_size // run.mesh.data * run.model.seq_len
-  return emulation.Emulator(hetero, emulation.unit_ms(run.model.flops_per_unit(), tokens,
+  return emulation.Emulator(hetero, emulation.unit_ms(run.model.flops_per_unit(),
+                                                      step_tokens(run),
                                                       run.hetero.device_gflops))
 
 
@@ -94,7 +99,7 @@ class TensorParallel:
         self.engine, settings=run.balance, resize_spec=run.resize, hetero=run.hetero,
         spec=run.model, layout=run.layout, workdir=workdir,
         steps_per_epoch=self.dataset.steps_per_epoch, seed=run.seed,
-        emulator=build_emulator(run), batch_size=run.batch_size)
+        emulator=build_emulator(run), tokens=step_tokens(run))
     self.state, self.extra, self.plan = None, None, None
     self._eval_batches = None
 

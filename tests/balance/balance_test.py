@@ -17,6 +17,7 @@ from semijax.balance import coordinator
 from semijax.balance import mover as mover_lib
 from semijax.train import config as config_lib
 from semijax.train import loop as train
+from semijax.train import tensor as tensor_lib
 
 SLOWDOWN = (4.0, 1.0, 1.0, 1.0)
 
@@ -101,7 +102,7 @@ def test_migrations_switch_buckets_and_keep_the_state(monkeypatch):
   b = coordinator.Balancer.create(engine, settings=run.balance, resize_spec=run.resize,
                                   hetero=run.hetero, spec=run.model, layout=run.layout,
                                   workdir=None, steps_per_epoch=100, seed=0,
-                                  batch_size=run.batch_size)
+                                  tokens=tensor_lib.step_tokens(run))
   start = b.layout
   assert start.mlp.capacity == 16 and start.heads.capacity == 2
   state = engine.init(0, start)

@@ -112,6 +112,11 @@ def test_probe_sampler_uses_the_probe_settings_and_the_slowest_replica(monkeypat
   assert s.measure == "probe" and s.every == 2
   assert s.probe.shape == probe_lib.ProbeShape.square(6) and s.probe.repeats == 2
   s.warm_up()
+  assert sorted(s.probe.measure()) == sorted(d.id for d in s.probe.devices)
+  waiting = s.probe._pool
+  assert waiting is not None                       # 8 local devices: a thread waits for each
+  s.close()                                        # the balancer's close ends them
+  assert s.probe._pool is None and waiting._shutdown
   # Probe seconds per mesh position (data row, tensor column), for the barrier and 2 samples.
   rows = [np.ones((2, 4)),
           np.array([[1.0, 1.0, 1.0, 2.0], [1.0, 1.5, 1.0, 1.0]]),
