@@ -31,7 +31,11 @@ change owner. The sharded logical form of a state is its padded form in the cano
 `Migrator.move_groups` runs a migration group by group of leaves (one transformer block's MLP
 weights, then their Adam moments, ...), donating each group: a device then holds the state plus
 one group's old copy and one round's buffers at most, where one program for the whole tree would
-hold the old and the new state at once when C_B != C_A.
+hold the old and the new state at once when C_B != C_A. Each group's program finishes before the
+next is dispatched: that is what bounds the memory, and on XLA:CPU with several devices in one
+process a burst of collective programs dispatched ahead (tiny ones, back to back) now and then
+deadlocks the devices' threads until XLA aborts the process ("Termination timeout for `collective
+permute`"); one program in flight never did (`_copy_leaves` waits the same way).
 
 `ragged_all_to_all` would send exactly the moved units in one collective, but XLA:CPU does not
 implement it, so the fixed-chunk rounds are the portable path built and tested here.
@@ -560,8 +564,8 @@ class Migrator:
     # otherwise copied, so that donating one tree later never deletes the other's buffers.
     out = list(leaves) if donate else _copy_leaves(leaves)
     for group in groups:
-      moved = self([leaves[i] for i in group], [axes_leaves[i] for i in group], moves,
-                   donate=donate)
+      moved = jax.block_until_ready(self([leaves[i] for i in group],
+                                         [axes_leaves[i] for i in group], moves, donate=donate))
       for i, x in zip(group, moved):
         out[i] = x
     return jax.tree.unflatten(treedef, out)
@@ -575,14 +579,16 @@ def _copy_leaves(leaves: list) -> list:
   """Fresh copies of `leaves`, each with its leaf's sharding, in one program per set of devices
   (a tree may mix leaves on the mesh with leaves on one device). A copy per leaf (`x.copy()`)
   dispatched one small program per leaf: on XLA:CPU with 8 devices in one process such a burst
-  now and then left a collective's device threads waiting until XLA aborted the process."""
+  now and then left a collective's device threads waiting until XLA aborted the process; each
+  program here also finishes before the next is dispatched (see the module doc)."""
   by_devices: dict = {}
   for i, x in enumerate(leaves):
     by_devices.setdefault(frozenset(d.id for d in x.sharding.device_set), []).append(i)
   out = list(leaves)
   for group in by_devices.values():
     part = [leaves[i] for i in group]
-    for i, y in zip(group, _copier(tuple(x.sharding for x in part))(part)):
+    copied = jax.block_until_ready(_copier(tuple(x.sharding for x in part))(part))
+    for i, y in zip(group, copied):
       out[i] = y
   return out
 

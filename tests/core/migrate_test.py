@@ -245,6 +245,25 @@ def test_a_move_that_keeps_its_input_copies_it_with_every_leaf_sharding(run):
   assert_bitwise(eng.move(moved, b, a), original)
 
 
+def test_a_grouped_move_has_one_program_in_flight_at_a_time(run, monkeypatch):
+  # On XLA:CPU a burst of collective programs dispatched ahead now and then deadlocked the
+  # devices' threads (XLA aborts the process after 40 s); each group's program must finish
+  # before the next one is dispatched.
+  eng, a, b = run["eng"], run["a"], run["b"]
+  call, pending, seen = migrate.Migrator.__call__, [], []
+
+  def recording(self, *args, **kw):
+    seen.append(all(x.is_ready() for x in pending))
+    out = call(self, *args, **kw)
+    pending[:] = jax.tree.leaves(out)
+    return out
+
+  monkeypatch.setattr(migrate.Migrator, "__call__", recording)
+  moved = eng.move(eng.init(2, a), a, b)
+  assert len(seen) > 4 and all(seen)
+  assert_bitwise(moved, eng.init(2, b))
+
+
 def test_one_executable_serves_every_pair_in_a_bucket(small):
   mig, mesh = small["mig"], small["mesh"]
   layouts = [random_layout(s) for s in range(5)]
