@@ -25,6 +25,9 @@ and every warning; the libraries' INFO logs (semijax's and Orbax's) are hidden. 
 shows them too, --verbosity=-1 shows warnings only.
 """
 
+import faulthandler
+import signal
+
 from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
@@ -47,6 +50,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError("Too many command-line arguments.")
+  faulthandler.register(signal.SIGUSR1, all_threads=True)   # the launcher's ask on a timeout
   with cli.one_line_errors():
     # Before anything touches a JAX backend.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,

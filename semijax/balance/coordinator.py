@@ -117,6 +117,7 @@ class Balancer:
           self.sampler.step_s, new_regime=self._new_regime)
       self._new_regime = False
       self.stats.add(decide_s=time.perf_counter() - t0, decisions=1)
+      self._last = self.decision
       if self.decision.changed:
         self.stats.add(changes=1)
         logging.info("balance before step %d: %s", step + 1, self.decision.reason)
@@ -155,15 +156,28 @@ class Balancer:
     self.layout = new
     return state
 
-  def after_step(self, step: int, step_s: float) -> dict:
-    """Takes the measured seconds of 0-based `step`'s train step; returns scalars to log."""
-    if self.decision is not None:
-      self._last = self.decision
-    out = {}
-    if self.sampler is not None and (sample := self.sampler.after_step(step, step_s)):
-      out = self._take(sample)
+  def must_wait(self, step: int) -> bool:
+    """Whether 0-based `step` must finish before the next step is planned: an emulated
+    straggler sleeps after it, or a speed sample is taken after it. Other steps may run ahead
+    (`dispatched` now, `timed` once a later step was waited for)."""
+    return self.emulator is not None or (self.sampler is not None and self.sampler.due(step))
+
+  def dispatched(self) -> None:
+    """The current step's programs are dispatched: what compiled since `before_step` is the
+    step's."""
     self.stats.step_ends()
-    return out
+
+  def timed(self, step: int, step_s: float) -> dict:
+    """Takes the measured seconds of 0-based `step`'s train step (steps in order; a step that
+    ran ahead gets its share of the time until the next wait); returns scalars to log."""
+    if self.sampler is not None and (sample := self.sampler.after_step(step, step_s)):
+      return self._take(sample)
+    return {}
+
+  def after_step(self, step: int, step_s: float) -> dict:
+    """`dispatched`, then `timed`: for a step that was waited for."""
+    self.dispatched()
+    return self.timed(step, step_s)
 
   def _take(self, sample: sampling_lib.Sample) -> dict:
     """A new shared speed sample: calibrates the cost model and logs the latest decision."""

@@ -163,12 +163,14 @@ class SpeedSampler:
     if self.probe is not None:
       self.gather(self.probe.measure(), 0.0)
 
+  def due(self, step: int) -> bool:
+    """Whether a sample is taken after 0-based `step`."""
+    return step % self.every == 0
+
   def after_step(self, step: int, step_s: float) -> Sample | None:
     """Takes the measured seconds of 0-based `step`; returns a sample when one is due."""
     self._pending.append(step_s)
-    if step % self.every:
-      return None
-    return self._take(step)
+    return self._take(step) if self.due(step) else None
 
   def trial(self, step: int, step_s: float) -> Sample:
     """A sample of one step timed in warm-up, `step_s` seconds before 0-based `step` (the first

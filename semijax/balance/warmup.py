@@ -67,12 +67,16 @@ class WarmUp:
       sample = self._trial(state, batch, step, plan)
     return state, sample
 
-  def _trial(self, state, batch, step: int, plan) -> sampling_lib.Sample:
+  def _trial(self, state, batch, step: int, plan) -> sampling_lib.Sample | None:
     """Times one step in the starting layout on a throwaway copy of `state` (with the emulated
     slowdown) and returns a provisional speed sample of it (`SpeedSampler.trial`): 0-based
     `step`, the first to run, then already runs on a decision, so a run that starts on unequal
     devices moves before its first step instead of after it. Off the clock, like the rest of
-    warm-up."""
+    warm-up. Only where warm-up runs scratch steps (`StepPrograms.scratch_runs`: on CPU);
+    elsewhere None: the first sample comes after the first step, which runs on the starting
+    layout."""
+    if not self.engine.programs.scratch_runs:
+      return None
     step_plan, executed = plan(step)
     scratch = jax.tree.map(lambda x: x.copy(), state)
     t0 = time.perf_counter()

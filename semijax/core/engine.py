@@ -184,7 +184,8 @@ class Engine(engine_state.StateForms):
 
   def exercise(self, state: TrainState, batch, plan: plan_lib.Plan) -> None:
     """Runs every branch of `plan`'s compiled train step once on a throwaway copy of `state`
-    (`engine_programs.StepPrograms.exercise`); once per compiled step, `state` left as it is."""
+    (`engine_programs.StepPrograms.exercise`: on CPU; elsewhere it compiles only); once per
+    compiled step, `state` left as it is."""
     self.programs.exercise(state, batch, plan)
 
   def train_step(self, state: TrainState, batch, plan: plan_lib.Plan):

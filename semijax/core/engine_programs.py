@@ -34,6 +34,12 @@ class StepPrograms:
     replicated: the mesh's replicated sharding (metrics and terms).
     mesh: the mesh (`exercise` runs every branch of a plan on it).
     strict: if True, a step for a bucket that was not compiled raises instead of compiling.
+
+  Attributes:
+    scratch_runs: whether warm-up runs steps on a throwaway copy of the state (`exercise`, a
+      balancer's trial step): on XLA:CPU only, where a compiled branch's first run costs far
+      more than the next (in the thunks' first execution); elsewhere the copy would double a
+      state that may fill the accelerator, for no saving.
   """
 
   def __init__(self, train_step: Callable, eval_step: Callable, state_shardings: Callable,
@@ -41,6 +47,7 @@ class StepPrograms:
     self.train_step_fn, self.eval_step_fn = train_step, eval_step
     self.state_shardings, self.replicated, self.mesh = state_shardings, replicated, mesh
     self.strict = strict
+    self.scratch_runs = mesh.devices.flat[0].platform == "cpu"
     self._compiled: dict = {}
     self._exercised: set = set()
     self.compile_count = 0   # the XLA compilations asked for
@@ -83,12 +90,13 @@ class StepPrograms:
   def exercise(self, state, batch, plan: plan_lib.Plan) -> None:
     """Runs every branch of `plan`'s compiled train step once (`plan_lib.branch_plans`) on a
     throwaway copy of `state`, so that their one-time first-run cost falls here, not in a timed
-    step. Each compiled step is exercised once; `state` is left as it is."""
+    step. Each compiled step is exercised once; `state` is left as it is. Without
+    `scratch_runs` (off CPU) it only compiles."""
     key = self._key("train", state, plan, batch)
     if key in self._exercised:
       return
     step = self.compiled_fn("train", state, batch, plan)
-    for p in plan_lib.branch_plans(plan, self.mesh):
+    for p in plan_lib.branch_plans(plan, self.mesh) if self.scratch_runs else ():
       scratch = jax.tree.map(lambda x: x.copy(), state)
       jax.block_until_ready(step(scratch, batch, p))
     self._exercised.add(key)

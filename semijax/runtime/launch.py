@@ -185,7 +185,7 @@ def child_env(base: dict, i: int, platform: str, devices_per_process: int,
               gpus: Sequence[str] = ()) -> dict:
   """Process i's devices on top of `base` (see module doc): fake CPU devices, or GPUs
   i * devices_per_process ... of `gpus`."""
-  env = dict(base, SEMIJAX_PROCESS_ID=str(i))
+  env = dict(base, SEMIJAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")   # logs show lines as said
   if platform == "cpu":
     env.update(JAX_PLATFORMS="cpu",
                XLA_FLAGS=with_device_count(base.get("XLA_FLAGS", ""), devices_per_process))
@@ -248,6 +248,18 @@ def _live_members(pgids: set[int]) -> list[int]:
       if fields[0] != "Z" and int(fields[2]) in pgids:
         live.append(int(name))
   return live
+
+
+def _dump_stacks(procs: list[subprocess.Popen], wait_s: float = 2.0) -> None:
+  """Asks every running child for its Python threads' stacks in its log (SIGUSR1: train.py
+  registers `faulthandler` for it), so a timed-out job shows where it was."""
+  for p in procs:
+    if p.poll() is None:
+      try:
+        os.kill(p.pid, signal.SIGUSR1)
+      except ProcessLookupError:
+        pass
+  time.sleep(wait_s)
 
 
 def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
@@ -338,6 +350,7 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
     while failed is None and None in [p.poll() for p in procs]:   # poll every one
       if time.monotonic() - start > timeout_s:
         running = [i for i, p in enumerate(procs) if p.poll() is None]
+        _dump_stacks(procs)
         _stop_all(procs, grace_s)
         raise TimeoutError(f"processes {running} still running after timeout_s="
                            f"{timeout_s:g}; killed all (logs in {log_dir})")

@@ -174,6 +174,8 @@ class Checkpointer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"semijax set aside checkpoint {step}")
     self._manager.reload()
+    if jax.process_count() > 1:   # before process 0 moves the next one, which reload would read
+      multihost_utils.sync_global_devices(f"semijax reloaded without checkpoint {step}")
     return target
 
   def latest_intact_step(self, on_damaged: Callable[[int, str], None] | None = None

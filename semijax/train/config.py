@@ -52,6 +52,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10                 # Steps between metric lines / progress reports.
   c.checkpoint_every = 100         # Steps between checkpoints (and at the last step); 0 = end only.
   c.keep_checkpoints = 2           # Checkpoints kept in workdir/checkpoints.
+  c.run_ahead = True               # Steps run ahead of the host between records (False: wait
+                                   # for every step, batches made in the loop; to debug).
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1                  # Data-parallel replicas (batch split).
@@ -261,6 +263,7 @@ class RunConfig:
     sync: how data-parallel replicas combine (`config.sync`, `hetero.replica_slowdown`).
     pipeline: a pipelined or planned run's settings, else None.
     profile: the trace and the MFU peak (`config.profile`).
+    run_ahead: whether steps may run ahead of the host (`trainer` module doc).
   """
 
   seed: int
@@ -282,6 +285,7 @@ class RunConfig:
   sync: sync_settings_lib.SyncSettings = sync_settings_lib.SyncSettings()
   pipeline: "PipelineSpec | None" = None
   profile: profile_lib.ProfileSpec = profile_lib.ProfileSpec()
+  run_ahead: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +329,12 @@ def _check_keys(node, schema: dict, prefix: str) -> None:
                         f"{sorted(schema)}")
     if isinstance(schema[key], dict):
       _check_keys(node[key], schema[key], f"{prefix}.{key}")
+
+
+def _bool(value, field: str) -> bool:
+  if not isinstance(value, bool):
+    raise ConfigError(f"config.{field}: need True or False, got {value!r}")
+  return value
 
 
 def _int(value, field: str, minimum: int = 1) -> int:
@@ -445,7 +455,8 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
-                   sync=sync, profile=profile_lib.ProfileSpec.from_config(config))
+                   sync=sync, profile=profile_lib.ProfileSpec.from_config(config),
+                   run_ahead=_bool(config.run_ahead, "run_ahead"))
 
 
 PIPELINE_POLICIES = ("even", "static")
@@ -552,7 +563,8 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer,
                    data_lib.DataSpec.from_config(config), config.to_dict(), sync=sync,
-                   pipeline=pipeline, profile=profile_lib.ProfileSpec.from_config(config))
+                   pipeline=pipeline, profile=profile_lib.ProfileSpec.from_config(config),
+                   run_ahead=_bool(config.run_ahead, "run_ahead"))
 
 
 def _syncs(config) -> tuple[str, ...]:

@@ -28,11 +28,15 @@ class StepResult:
   """What one step did, as host numbers.
 
   Attributes:
-    metrics: the step's "loss", "accuracy" and "grad_norm" (floats; the loop makes the train
-      scalars of them); one the step did not measure is missing or None (a replica mode's
-      update that started no gradient has no loss).
+    metrics: the step's "loss", "accuracy" and "grad_norm" (floats, or scalars on the devices
+      for a step that ran ahead; the loop makes the train scalars of them); one the step did
+      not measure is missing or None (a replica mode's update that started no gradient has no
+      loss).
     seconds: the step's wall time and everything the kind counts with it (a migration, an
-      emulated straggler's sleep).
+      emulated straggler's sleep); None for a step that ran ahead (dispatched, not waited
+      for; it applied one global batch): the loop waits for it where it needs its numbers (a
+      record, an evaluation, a checkpoint, the last step), and the steps since the last wait
+      share the time until then.
     scalars: the kind's own scalars for the step's record ("balance/...", "pipeline/...").
     notes: console lines the step calls for (a balancing change); a step with notes is
       recorded whatever `log_every` says.
@@ -106,7 +110,8 @@ class Executor(Protocol):
     what the warm-up line says of it (e.g. "policy static, 2 step programs compiled")."""
 
   def step(self, step: int) -> StepResult:
-    """Trains 0-based `step` on global batch `step` and waits for it."""
+    """Trains 0-based `step` on global batch `step`; waits for it, or lets it run ahead
+    (`StepResult.seconds` None)."""
 
   def evaluate(self) -> dict:
     """{"val/loss", "val/accuracy"} of the current parameters over every evaluation batch, or

@@ -22,6 +22,7 @@ from semijax.train import config as config_lib
 from semijax.train import data as data_lib
 from semijax.train import executor as executor_lib
 from semijax.train import optimizer as optimizer_lib
+from semijax.train import prefetch as prefetch_lib
 from semijax.train import steps as steps_lib
 
 
@@ -102,8 +103,13 @@ class TensorParallel:
         emulator=build_emulator(run), tokens=step_tokens(run))
     self.state, self.extra, self.plan = None, None, None
     self._eval_batches = None
+    make = lambda step: self.engine.shard_batch(self.dataset.train_batch(step))
+    self.batches = prefetch_lib.Prefetch(make) if run.run_ahead else prefetch_lib.OnTheSpot(make)
+    self._ahead: list[int] = []      # steps dispatched since the last one waited for
+    self._since, self._balancing_s = 0.0, 0.0
 
   def close(self) -> None:
+    self.batches.close()
     self.balancer.close()
 
   def init(self, seed: int) -> None:
@@ -148,26 +154,40 @@ class TensorParallel:
             f"{self.engine.compile_count - compiles_before} step programs compiled")
 
   def step(self, step: int) -> executor_lib.StepResult:
-    """The balancer's layout for `step` (migrating first if it changed), the step, an emulated
-    straggler's extra time, and the balancer's view of the step's time."""
+    """The balancer's layout for `step` (migrating first if it changed), the step (its batch
+    made while the step before ran, `prefetch.Prefetch`), and the balancer's view of the step's
+    time. The step runs ahead (dispatched, not waited for: metrics on the devices, seconds
+    None) unless the balancer must see its time first (`Balancer.must_wait`); the steps that ran
+    ahead then share the time until it ends (less what balancing took outside the steps)."""
     balancer = self.balancer
-    batch = self.engine.shard_batch(self.dataset.train_batch(step))
+    batch = self.batches.get(step)
     t0 = time.perf_counter()
     self.state, self.plan = balancer.before_step(step, self.state)   # may migrate the state
     t1 = time.perf_counter()
+    if not self._ahead:
+      self._since, self._balancing_s = t1, 0.0
+    else:
+      self._balancing_s += t1 - t0
     self.state, m = self.engine.train_step(self.state, batch, self.plan)
-    float(m["loss"])                                 # waits for the step
-    balancer.emulate()                               # an emulated straggler's extra time
-    scalars = balancer.after_step(step, time.perf_counter() - t1)
-    seconds = time.perf_counter() - t0               # the step and everything balancing costs
-    scalars = dict(scalars)
+    balancer.dispatched()
+    self._ahead.append(step)
+    scalars = {}
     if (keep := balancer.setup(step).keep) is not None:
       scalars.update({"resize/min_keep": min(keep),
                       "resize/resized_devices": sum(k < 1 for k in keep)})
     decision = balancer.decision
     changed = decision is not None and decision.changed
     notes = (f"balance step {step + 1}: {decision.reason}",) if changed else ()
-    metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+    if self.run.run_ahead and not balancer.must_wait(step):
+      return executor_lib.StepResult(m, None, scalars, notes)
+    metrics = {k: float(v) for k, v in jax.device_get(m).items()}    # waits for the step
+    balancer.emulate()                               # an emulated straggler's extra time
+    step_s = (time.perf_counter() - self._since - self._balancing_s) / len(self._ahead)
+    for s in self._ahead:
+      timed = balancer.timed(s, step_s)
+    self._ahead = []
+    scalars.update(timed)
+    seconds = time.perf_counter() - t0               # the step and everything balancing costs
     return executor_lib.StepResult(metrics, seconds, scalars, notes)
 
   def evaluate(self) -> dict:

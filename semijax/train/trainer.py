@@ -18,7 +18,10 @@ record (workdir/metrics.jsonl and TensorBoard on process 0, and a progress line)
 log_every steps, at every evaluation, at the last step and whenever the executor has something
 to say (a balancing change); a checkpoint every checkpoint_every steps and at the last (or
 where the executor says, for processes that do not step together); then the hooks
-(`executor.Hook`). Asked to stop (SIGTERM; `preemption`, or the executor's `StepResult.stop`),
+(`executor.Hook`). The host waits for a step only where it needs the step's numbers: a step
+the executor let run ahead (`StepResult.seconds` None) is waited for at the next record,
+evaluation, checkpoint, hook or stop, the last step included; the NaN stop then checks each
+loss since, in order, before anything is evaluated or saved. Asked to stop (SIGTERM; `preemption`, or the executor's `StepResult.stop`),
 the run saves a checkpoint at the next step boundary (every process at once), says "preempted
 at step N" and returns; the rerun resumes there. The console (process 0) shows where the run
 starts, the warm-up, the executor's notes, progress lines and a final summary; library chatter
@@ -30,9 +33,12 @@ The checkpoint manager and the metric writer are closed on every path out (the c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
+
+import jax
 
 from semijax.errors import ConfigError
 from semijax.train import checkpoint as checkpoint_lib
@@ -44,6 +50,13 @@ from semijax.train import profile as profile_lib
 from semijax.train import steps as steps_lib
 
 say = metrics_lib.say
+
+
+class _Ahead(NamedTuple):
+  """A step the loop has not waited for: its 1-based number, result and samples."""
+  step: int
+  result: executor_lib.StepResult
+  samples: int
 
 
 class Trainer:
@@ -136,32 +149,39 @@ class Trainer:
     tally = steps_lib.Tally(run)
     step, applied = self.start, self.samples
     next_eval = (applied // (run.eval_every * batch) + 1) * run.eval_every
+    ahead: list[_Ahead] = []      # steps not yet waited for, in order
+    since = time.perf_counter()   # when the first of them began
     while applied < budget:
       step += 1
+      if not ahead:
+        since = time.perf_counter()
       self.trace.before(step)
       result = executor.step(step - 1)
       self.trace.after(step)
-      loss = result.metrics.get("loss")
-      if loss is not None:
-        steps_lib.stop_if_not_finite(loss, step, self.writer, self.ckpt)
       rate = learning_rates[min(applied // batch, run.steps - 1)]
       samples = batch if result.samples is None else result.samples
       applied += samples
-      scalars = self._scalars(result, rate, samples)
-      tally.add(result.seconds, samples, loss)
+      ahead.append(_Ahead(step, result, samples))
       last = applied >= budget
-      if result.evaluable and (applied >= next_eval * batch or last):
+      evaluate = result.evaluable and (applied >= next_eval * batch or last)
+      preempted = result.stop or (self.preemption is not None and
+                                  self.preemption.reached(step) and not last)
+      save_as = result.checkpoint if executor.own_checkpoints else (
+          step if (run.checkpoint_every and step % run.checkpoint_every == 0) or last or
+          preempted else None)
+      if (result.seconds is None and not (last or evaluate or preempted or result.notes) and
+          save_as is None and step % run.log_every and not self.hooks):
+        continue                                # runs ahead: nothing here needs its numbers
+      result = self._settle(ahead, since, tally)
+      ahead = []
+      scalars = self._scalars(result, rate, samples)
+      if evaluate:
         if val := executor.evaluate():          # {}: deferred (one replica per process)
           tally.val = val
           scalars.update(val)
         while next_eval * batch <= applied:
           next_eval += run.eval_every
       self._record(step, result, scalars, applied, last)
-      preempted = result.stop or (self.preemption is not None and
-                                  self.preemption.reached(step) and not last)
-      save_as = result.checkpoint if executor.own_checkpoints else (
-          step if (run.checkpoint_every and step % run.checkpoint_every == 0) or last or
-          preempted else None)
       if save_as is not None:
         executor.save(self.ckpt, save_as, {"data_position": step, "samples": applied,
                                            "model": run.model.to_dict()})
@@ -172,6 +192,23 @@ class Trainer:
             "command to continue")
         return dict(self._summary(tally, "stopped"), preempted=step)
     return self._summary(tally)
+
+  def _settle(self, ahead: list[_Ahead], since: float, tally: steps_lib.Tally
+              ) -> executor_lib.StepResult:
+    """Waits for the steps in `ahead` (one fetch of their metrics), stops at the first
+    non-finite loss (`steps.stop_if_not_finite`), tallies each and returns the last one's
+    result with host numbers. A step the executor waited for alone keeps its own seconds;
+    steps that ran ahead share the wall time since `since` equally."""
+    fetched = jax.device_get([a.result.metrics for a in ahead])
+    alone = len(ahead) == 1 and ahead[0].result.seconds is not None
+    share = ahead[0].result.seconds if alone else (time.perf_counter() - since) / len(ahead)
+    for a, metrics in zip(ahead, fetched):
+      metrics = {k: None if v is None else float(v) for k, v in metrics.items()}
+      loss = metrics.get("loss")
+      if loss is not None:
+        steps_lib.stop_if_not_finite(loss, a.step, self.writer, self.ckpt)
+      tally.add(share, a.samples, loss)
+    return dataclasses.replace(ahead[-1].result, metrics=metrics, seconds=share)
 
   def _scalars(self, result: executor_lib.StepResult, learning_rate: float, samples: int
                ) -> dict:

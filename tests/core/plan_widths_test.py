@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import helpers
+from semijax.balance import warmup as warmup_lib
 from semijax.core import kernels
 from semijax.core import layout as layout_lib
 from semijax.core import plan as plan_lib
@@ -83,6 +84,27 @@ def test_branch_plans_take_every_branch_and_exercise_leaves_the_state():
   assert len(eng.programs._exercised) == 1
   eng.exercise(state, batch, plan)          # once per compiled step
   assert len(eng.programs._exercised) == 1
+
+
+def test_off_cpu_warm_up_compiles_but_runs_no_step_on_a_copy_of_the_state(monkeypatch):
+  # Off CPU a scratch copy would double a state that may fill the accelerator.
+  eng = helpers.make_engine("gpt", tensor=N)
+  assert eng.programs.scratch_runs                      # CPU devices
+  monkeypatch.setattr(eng.programs, "scratch_runs", False)
+  layout = bucketed_even()
+  state = eng.init(0, layout)
+  batch = eng.shard_batch(helpers.make_batch("gpt"))
+  compiled, runs = eng.programs.compiled_fn, []
+
+  def counting(*args):
+    fn = compiled(*args)
+    return lambda *a: runs.append(a) or fn(*a)
+
+  monkeypatch.setattr(eng.programs, "compiled_fn", counting)
+  before = eng.compile_count
+  eng.exercise(state, batch, eng.plan(layout))
+  assert eng.compile_count == before + 1 and runs == []
+  assert warmup_lib.WarmUp(eng, None, None)._trial(state, batch, 0, None) is None
 
 
 def test_one_engine_runs_the_same_widths_at_two_capacities():

@@ -186,3 +186,60 @@ def test_sigterm_saves_at_the_next_step_and_the_rerun_continues_exactly(tmp_path
   np.testing.assert_allclose([r["train/loss"] for r in records(workdir)],
                              reference["losses"], rtol=1e-6)
   np.testing.assert_allclose(resumed["val/loss"], reference["val/loss"], rtol=1e-6)
+
+
+def ahead_steps(monkeypatch) -> list:
+  """Records, for each tensor-parallel step, whether the executor let it run ahead."""
+  original, ahead = tensor.TensorParallel.step, []
+
+  def recording(self, step):
+    result = original(self, step)
+    ahead.append(result.seconds is None)
+    return result
+  monkeypatch.setattr(tensor.TensorParallel, "step", recording)
+  return ahead
+
+
+def test_steps_between_records_run_ahead_to_the_same_losses(tmp_path, tmp_path_factory,
+                                                            monkeypatch):
+  reference = uninterrupted("tensor", tmp_path_factory)          # logs and evaluates each step
+  c = KINDS["tensor"].config()
+  c.log_every, c.eval_every, c.checkpoint_every = 4, 6, 0
+  ahead = ahead_steps(monkeypatch)
+  summary = train.train_and_evaluate(c, str(tmp_path))
+  # Static policy, no emulation: nothing makes the executor wait; the loop waits at step 4 (a
+  # record) and 6 (the last), each for the steps since its previous wait.
+  assert ahead == [True] * 6
+  assert summary["losses"] == reference["losses"]                # bit for bit, in order
+  assert summary["val/loss"] == reference["val/loss"]
+  assert len(summary["step_times_s"]) == 6 and all(t > 0 for t in summary["step_times_s"])
+  assert [r["step"] for r in records(str(tmp_path))] == [4, 6]
+  assert [r["train/loss"] for r in records(str(tmp_path))] == [reference["losses"][i]
+                                                              for i in (3, 5)]
+
+
+def test_a_nan_in_a_step_that_ran_ahead_stops_at_its_step_before_the_checkpoint(tmp_path,
+                                                                               monkeypatch):
+  c = KINDS["tensor"].config()
+  c.log_every, c.eval_every, c.checkpoint_every = 6, 6, 3    # waits at the checkpoints (3, 6)
+  nan_at(monkeypatch, KINDS["tensor"], 5)
+  with pytest.raises(FloatingPointError, match=r"^train/loss is nan at step 5: training "
+                     r"stopped. The last good checkpoint \(step 3\)"):
+    train.train_and_evaluate(c, str(tmp_path))
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(str(tmp_path), "checkpoints"))
+  try:
+    assert ckpt.all_steps() == [3]            # step 6 was never saved
+  finally:
+    ckpt.close()
+  assert [r["step"] for r in records(str(tmp_path))] == [5]       # the NaN, nothing logged before
+  assert math.isnan(records(str(tmp_path))[-1]["train/loss"])
+
+
+def test_semi_waits_only_for_the_steps_it_samples(tmp_path, monkeypatch):
+  c = KINDS["tensor"].config()
+  c.steps, c.log_every, c.eval_every, c.checkpoint_every = 8, 8, 8, 0
+  c.balance.policy, c.balance.measure, c.balance.probe_every = "semi", "probe", 3
+  ahead = ahead_steps(monkeypatch)
+  summary = train.train_and_evaluate(c, str(tmp_path))
+  assert ahead == [s % 3 != 0 for s in range(8)]      # samples after 0-based steps 0, 3, 6
+  assert summary["balance"]["probes"] == 3
