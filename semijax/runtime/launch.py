@@ -95,10 +95,12 @@ def _raise_stop(signum, frame):
 
 
 class _Echo:
-  """Passes the complete lines a log file has gained since the last call to `out`."""
+  """Passes the complete lines a log file has gained since the last call to `out`. The offset
+  moves past a line only once it is passed on: a call cut short (the launcher's SIGTERM handler
+  raises in its thread) loses no line; the next call passes it."""
 
   def __init__(self, path: str, out: Callable[[str], None]):
-    self.path, self.out, self.offset, self.rest = path, out, 0, b""
+    self.path, self.out, self.offset = path, out, 0
 
   def __call__(self, final: bool = False) -> None:
     try:
@@ -107,12 +109,12 @@ class _Echo:
         data = f.read()
     except OSError:
       return
-    self.offset += len(data)
-    *lines, self.rest = (self.rest + data).split(b"\n")
-    if final and self.rest:
-      lines, self.rest = lines + [self.rest], b""
+    *lines, rest = data.split(b"\n")
+    if final and rest:
+      lines.append(rest)
     for line in lines:
       self.out(line.decode(errors="replace"))
+      self.offset += len(line) + 1
 
 
 def child_setup(cores: Sequence[int] | None) -> Callable[[], None]:

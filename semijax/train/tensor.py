@@ -107,6 +107,7 @@ class TensorParallel:
     self.batches = prefetch_lib.Prefetch(make) if run.run_ahead else prefetch_lib.OnTheSpot(make)
     self._ahead: list[int] = []      # steps dispatched since the last one waited for
     self._since, self._balancing_s = 0.0, 0.0
+    self._previous = None            # the metrics of the step dispatched before
 
   def close(self) -> None:
     self.batches.close()
@@ -158,7 +159,8 @@ class TensorParallel:
     made while the step before ran, `prefetch.Prefetch`), and the balancer's view of the step's
     time. The step runs ahead (dispatched, not waited for: metrics on the devices, seconds
     None) unless the balancer must see its time first (`Balancer.must_wait`); the steps that ran
-    ahead then share the time until it ends (less what balancing took outside the steps)."""
+    ahead then share the time until it ends (less what balancing took outside the steps). On
+    XLA:CPU at most two steps are in flight."""
     balancer = self.balancer
     batch = self.batches.get(step)
     t0 = time.perf_counter()
@@ -171,6 +173,11 @@ class TensorParallel:
     self.state, m = self.engine.train_step(self.state, batch, self.plan)
     balancer.dispatched()
     self._ahead.append(step)
+    if self.engine.programs.scratch_runs and len(self._ahead) > 1:
+      # XLA:CPU: at most two steps in flight. A longer queue of collective programs now and
+      # then deadlocks its device threads until XLA aborts (see `core.migrate`'s module doc).
+      jax.block_until_ready(self._previous)
+    self._previous = m
     scalars = {}
     if (keep := balancer.setup(step).keep) is not None:
       scalars.update({"resize/min_keep": min(keep),

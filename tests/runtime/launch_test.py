@@ -351,3 +351,23 @@ def test_bad_injector_arguments(kwargs, name, monkeypatch):
   monkeypatch.setattr(contention.subprocess, "Popen", no_start)
   with pytest.raises(ValueError, match=f"^{name}" + ("" if name.endswith("$") else ":")):
     contention.Injector(**{"core": CORE, **kwargs}).start()
+
+
+def test_echo_loses_no_line_when_the_sigterm_handler_cuts_a_call_short(tmp_path):
+  log = tmp_path / "process0.log"
+  log.write_bytes(b"pid 1\nready\nsaved")
+  seen, cut = [], []
+
+  def out(line):
+    if line == "ready" and not cut:      # the handler raises while this line is passed on
+      cut.append(line)
+      raise launch.StopRequested()
+    seen.append(line)
+
+  echo = launch._Echo(str(log), out)
+  with pytest.raises(launch.StopRequested):
+    echo()
+  echo()
+  assert seen == ["pid 1", "ready"]      # "saved" is not a complete line yet
+  echo(final=True)
+  assert seen == ["pid 1", "ready", "saved"]
