@@ -333,7 +333,7 @@ def _check_keys(node, schema: dict, prefix: str) -> None:
 
 def _bool(value, field: str) -> bool:
   if not isinstance(value, bool):
-    raise ConfigError(f"config.{field}: need True or False, got {value!r}")
+    raise ConfigError(f"config.{field}: must be True or False, got {value!r}")
   return value
 
 

@@ -104,7 +104,8 @@ class TensorParallel:
     self.state, self.extra, self.plan = None, None, None
     self._eval_batches = None
     make = lambda step: self.engine.shard_batch(self.dataset.train_batch(step))
-    self.batches = prefetch_lib.Prefetch(make) if run.run_ahead else prefetch_lib.OnTheSpot(make)
+    self.batches: prefetch_lib.Batches = (prefetch_lib.Prefetch(make) if run.run_ahead
+                                          else prefetch_lib.OnTheSpot(make))
     self._ahead: list[int] = []      # steps dispatched since the last one waited for
     self._since, self._balancing_s = 0.0, 0.0
     self._previous = None            # the metrics of the step dispatched before

@@ -21,11 +21,11 @@ where the executor says, for processes that do not step together); then the hook
 (`executor.Hook`). The host waits for a step only where it needs the step's numbers: a step
 the executor let run ahead (`StepResult.seconds` None) is waited for at the next record,
 evaluation, checkpoint, hook or stop, the last step included; the NaN stop then checks each
-loss since, in order, before anything is evaluated or saved. Asked to stop (SIGTERM; `preemption`, or the executor's `StepResult.stop`),
-the run saves a checkpoint at the next step boundary (every process at once), says "preempted
-at step N" and returns; the rerun resumes there. The console (process 0) shows where the run
-starts, the warm-up, the executor's notes, progress lines and a final summary; library chatter
-goes to the absl log.
+loss since, in order, before anything is evaluated or saved. Asked to stop (SIGTERM;
+`preemption`, or the executor's `StepResult.stop`), the run saves a checkpoint at the next
+step boundary (every process at once), says "preempted at step N" and returns; the rerun
+resumes there. The console (process 0) shows where the run starts, the warm-up, the executor's
+notes, progress lines and a final summary; library chatter goes to the absl log.
 The checkpoint manager and the metric writer are closed on every path out (the caller's
 `contextlib.ExitStack`), a NaN loss and an exception included.
 """
@@ -150,7 +150,7 @@ class Trainer:
     step, applied = self.start, self.samples
     next_eval = (applied // (run.eval_every * batch) + 1) * run.eval_every
     ahead: list[_Ahead] = []      # steps not yet waited for, in order
-    since = time.perf_counter()   # when the first of them began
+    since = 0.0                   # when the first of them began (set as it begins)
     while applied < budget:
       step += 1
       if not ahead:
