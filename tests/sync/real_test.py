@@ -194,8 +194,10 @@ def test_two_processes_resume_exactly_after_a_kill_and_a_sigterm(tmp_path, mode)
   # replica's own parameters and optimizer state, the momentum and the center must all come
   # back. ssaw saves at the cuts its coordinator makes once 3 batches more were applied
   # (versions 4, 7, ...). Process 1 is killed after step 5; the rerun is stopped by a SIGTERM
-  # to the launcher; the third run finishes.
-  steps = 14
+  # to the launcher; the third run finishes. The SIGTERM must land before the resumed run's
+  # last step: JAX's preemption service takes a while to agree on a step, in which tiny steps
+  # (about 50 ms) ran 9 steps to the end of a 14-step run in CI; 24 steps leave 19.
+  steps = 24
   overrides = dict(RESUMED[mode], steps=steps, checkpoint_every=3, eval_every=4)
   reference = launch.launch(train_command(tmp_path / "whole", mode, **overrides), 2,
                             devices_per_process=1, timeout_s=300, log_dir=str(tmp_path / "w"))
