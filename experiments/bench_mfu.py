@@ -5,8 +5,9 @@ r"""Model-FLOPs utilization of a training step on one device, at every compiled 
 
 The engine's training step (forward, backward, AdamW) of a GPT on a single device (tensor = 1)
 that computes w of its units in every block, at each bucket width w, in two programs: the
-single-width step (compiled for w alone) and the branched step (a `lax.switch` over every width,
-what an uneven split runs). Reports seconds per step, the model FLOPs of the units computed
+single-width step (compiled for w alone) and the branched step that an uneven split runs, with
+each width kernel of `--kernels` (`layout.kernel`: "switch", a `lax.switch` over every width;
+"pallas", one program whose GEMMs skip the units past w). Reports seconds per step, the model FLOPs of the units computed
 (`benchmarks.mfu.step_flops`), the achieved TFLOP/s and the MFU against the device's peak
 for its compute dtype (`--peak_tflops`, or the table in benchmarks/mfu.py for known GPUs). Models: `bench`, the
 straggler benchmark's (d_model 256, d_ff 1024, 2 layers, batch 16 x 64 tokens), and `gpt_tiny`,
@@ -15,6 +16,7 @@ bfloat16; the others in float32). `--dtype` sets the compute dtype of either.
 Writes --out_dir/bench_mfu.{json,md}.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -37,6 +39,8 @@ _MODEL = flags.DEFINE_enum("model", "bench", ["bench", "gpt_tiny", "tiny"],
                            "tiny: a few-second smoke test.")
 _WIDTHS = flags.DEFINE_integer("num_widths", 6, "Compiled bucket widths per kind.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per program (median reported).")
+_KERNELS = flags.DEFINE_list("kernels", ["switch", "pallas"],
+                             "Width kernels of the branched step (layout.kernel).")
 _PEAK = flags.DEFINE_float("peak_tflops", 0.0, "The device's peak TFLOP/s (0: look it up).")
 _DTYPE = flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16", "float16"],
                            "Compute dtype (model.dtype); '' = the model's config.")
@@ -60,6 +64,9 @@ def model_config(name: str, num_widths: int, dtype: str = ""):
 
 def main(argv):
   del argv
+  bad = [k for k in _KERNELS.value if k not in ("switch", "pallas")]
+  if bad:
+    raise app.UsageError(f"--kernels: unknown {bad}; choose from ['switch', 'pallas']")
   run = config_lib.validate(model_config(_MODEL.value, _WIDTHS.value, _DTYPE.value),
                             jax.device_count(), jax.process_count())
   if run.mesh.tensor != 1 or run.mesh.data != 1:
@@ -81,26 +88,28 @@ def main(argv):
                         heads=layout.heads.with_active([w_heads]))
     flops = mfu.step_flops(run.model, {"mlp": w_mlp, "heads": w_heads}, tokens, vocab)
     r = {"mlp_width": w_mlp, "heads_width": w_heads, "model_flops": flops}
-    for kind, plan in (("single", engine.plan(at, widths={"mlp": (w_mlp,), "heads": (w_heads,)})),
-                       ("branched", engine.plan(at))):
+    programs = [("single", engine.plan(at, widths={"mlp": (w_mlp,), "heads": (w_heads,)}))]
+    programs += [(k, dataclasses.replace(engine.plan(at), kernel=k)) for k in _KERNELS.value]
+    for kind, plan in programs:
       seconds, state = mfu.median_step_s(engine.train_step, state, batch, plan, _STEPS.value)
       r[kind] = {"step_s": seconds, "tflops": flops / seconds / 1e12,
-                 "mfu": None if peak is None else flops / seconds / (peak * 1e12)}
-    r["branched_over_single"] = r["branched"]["step_s"] / r["single"]["step_s"]
+                 "mfu": None if peak is None else flops / seconds / (peak * 1e12),
+                 "over_single": None}
+      r[kind]["over_single"] = seconds / r["single"]["step_s"]
     results.append(r)
     rows.append([f"{w_mlp}/{layout.mlp.capacity}", f"{w_heads}/{layout.heads.capacity}",
                  1e3 * r["single"]["step_s"], r["single"]["tflops"],
-                 report.fmt(r["single"]["mfu"], ".1%"),
-                 1e3 * r["branched"]["step_s"], report.fmt(r["branched"]["mfu"], ".1%"),
-                 r["branched_over_single"]])
+                 report.fmt(r["single"]["mfu"], ".1%")]
+                + [f"{1e3 * r[k]['step_s']:.3g} ({r[k]['over_single']:.2f}x, "
+                   f"{report.fmt(r[k]['mfu'], '.1%')})" for k in _KERNELS.value])
   table = report.markdown_table(
-      ["mlp width", "heads width", "single ms", "single TFLOP/s", "single MFU", "branched ms",
-       "branched MFU", "branched / single"], rows)
+      ["mlp width", "heads width", "single ms", "single TFLOP/s", "single MFU"]
+      + [f"branched, {k}: ms (x single, MFU)" for k in _KERNELS.value], rows)
   payload = {"model": _MODEL.value, "spec": run.model.to_dict(), "batch_size": run.batch_size,
              "backend": jax.default_backend(), "device": device.device_kind,
              "jax": jax.__version__, "dtype": dtype, "peak_tflops": peak,
              "matmul_precision": str(jax.config.jax_default_matmul_precision),
-             "widths": results}
+             "kernels": _KERNELS.value, "widths": results}
   paths = report.write(_OUT.value, "bench_mfu", payload, table)
   print(f"{device.device_kind} ({jax.default_backend()}), {dtype}, peak {peak} TFLOP/s\n{table}")
   print(f"wrote {paths['json']} and {paths['md']}")

@@ -2,19 +2,25 @@ r"""Micro-benchmark: one transformer block on one device at every compiled bucke
 
 A device that computes `w` of its C units must run GEMMs of width about w, not C. This times the
 forward + backward of one block (attention + MLP) on a single device with every unit kind active
-at each bucket width, in two programs:
+at each bucket width, in these programs:
 
   single    compiled for that width alone (what every device runs when all execute one width);
-  branched  the `lax.switch` over every bucket width that an uneven split runs, with this width
-            selected, once per branch mode (`core.kernels.BRANCH_MODES`: what a branch keeps for
-            the backward pass).
+  branched  what an uneven split runs, which serves every width (`--kernels`, `layout.kernel`):
+            "switch", the `lax.switch` over every bucket width with this width selected, once
+            per branch mode (`core.kernels.BRANCH_MODES`: what a branch keeps for the backward
+            pass); "pallas", one program at capacity whose GEMMs skip the units past this width
+            (`core.width_gemm`; on CPU it runs in Pallas's interpreter, so its time there says
+            nothing about a GPU's).
 
 It reports the time relative to the single-width program at full capacity (ideally about w / C)
 and the branched program's cost over the single-width one at the same width (the branched
 step's overhead; the goal is at most 1.10x).
 
   python experiments/bench_widths.py --out_dir=results/bench_widths
+  python experiments/bench_widths.py --kernels=switch     # without the (slow on CPU) pallas
 """
+
+import contextlib
 
 import os
 import sys
@@ -44,7 +50,9 @@ _SEQ = flags.DEFINE_integer("seq_len", 128, "Sequence length.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Batch size.")
 _WIDTHS = flags.DEFINE_integer("num_widths", 4, "Compiled bucket widths per kind.")
 _REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per program (median reported).")
-_MODES = flags.DEFINE_list("modes", list(kernels.BRANCH_MODES), "Branch modes to time.")
+_MODES = flags.DEFINE_list("modes", list(kernels.BRANCH_MODES), "Branch modes of switch to time.")
+_KERNELS = flags.DEFINE_list("kernels", ["switch", "pallas"],
+                             "Width kernels of the branched program (layout.kernel).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", list(precision_lib.DTYPES),
                            "Compute dtype of the block (weights stay float32).")
 
@@ -54,6 +62,9 @@ def main(argv):
   bad = [m for m in _MODES.value if m not in kernels.BRANCH_MODES]
   if bad:
     raise app.UsageError(f"--modes: unknown {bad}; choose from {list(kernels.BRANCH_MODES)}")
+  bad = [k for k in _KERNELS.value if k not in ("switch", "pallas")]
+  if bad:
+    raise app.UsageError(f"--kernels: unknown {bad}; choose from ['switch', 'pallas']")
   mesh = mesh_lib.make_mesh(1, 1)
   block = layers.Block(_D.value, _HEADS.value, _FF.value, causal=True,
                        precision=precision_lib.Precision(_DTYPE.value), rngs=nnx.Rngs(0))
@@ -69,11 +80,15 @@ def main(argv):
   fn, params = blockbench.block_step(mesh, block, x)
   single = [median_ms(fn, params, x, plan_lib.make_plan(a, mesh, widths={
       "mlp": (m,), "heads": (h,)})) for m, h, a in at]
-  branched = {}
-  for mode in _MODES.value:
-    with kernels.branching(mode):        # a fresh jit: traced in this mode
-      fn, params = blockbench.block_step(mesh, block, x)
-      branched[mode] = [median_ms(fn, params, x, plan_lib.make_plan(a, mesh)) for *_, a in at]
+  branched = {}        # {program name: ms at each width}
+  for kernel in _KERNELS.value:
+    for mode in (_MODES.value if kernel == "switch" else [None]):
+      # a fresh jit per program: traced in its branch mode
+      with kernels.branching(mode) if mode else contextlib.nullcontext():
+        fn, params = blockbench.block_step(mesh, block, x)
+        branched[f"{kernel}, {mode}" if mode else kernel] = [
+            median_ms(fn, params, x, plan_lib.make_plan(a, mesh, kernel=kernel))
+            for *_, a in at]
   full_ms = single[-1]
   results = [{"mlp_width": m, "heads_width": h, "work_fraction": m / _FF.value,
               "single_ms": single[i], "relative_to_full": single[i] / full_ms,
@@ -83,14 +98,14 @@ def main(argv):
   rows = [[f"{r['mlp_width']}/{_FF.value}", f"{r['heads_width']}/{_HEADS.value}",
            r["work_fraction"], r["single_ms"], r["relative_to_full"]]
           + [f"{r['branched_ms'][m]:.3g} ({r['branched_over_single'][m]:.2f}x)"
-             for m in _MODES.value] for r in results]
+             for m in branched] for r in results]
   table = report.markdown_table(
       ["mlp width", "heads width", "MLP work fraction", "single-width ms (fwd+bwd)",
-       "single / full capacity"] + [f"branched, {m}: ms (x single)" for m in _MODES.value],
-      rows)
+       "single / full capacity"] + [f"{m}: ms (x single)" for m in branched], rows)
   payload = {"config": {k: f.value for k, f in [
       ("d_model", _D), ("heads", _HEADS), ("d_ff", _FF), ("seq_len", _SEQ), ("batch", _BATCH),
-      ("repeats", _REPEATS), ("num_widths", _WIDTHS), ("dtype", _DTYPE)]}, "backend": jax.default_backend(),
+      ("repeats", _REPEATS), ("num_widths", _WIDTHS), ("dtype", _DTYPE), ("kernels", _KERNELS)]},
+             "backend": jax.default_backend(),
              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
              "widths": results, "plain_full_ms": full_ms}
   paths = report.write(_OUT.value, "bench_widths", payload, table)

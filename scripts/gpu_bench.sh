@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On one GPU: semijax's training step against the same GPT written plainly in JAX (GPT-2 small,
-# float32 and bfloat16, bench_peer.py), the branched step (bench_widths.py), a step's
+# float32 and bfloat16, bench_peer.py), the branched step with each width kernel, switch and
+# pallas (bench_widths.py), a step's
 # model-FLOPs utilization at the bucket widths (bench_mfu.py) and a few train.py steps of semi
 # sampling speeds with the probe, its cost per sample and the MFU the metrics show
 # (bench_probe.py), as JSON + markdown under
@@ -93,6 +94,11 @@ else
       --steps=50
   wants widths && part widths_gpt_tiny 300 experiments/bench_widths.py --d_model=512 --heads=16 \
       --d_ff=2048 --seq_len=256 --batch=64 --num_widths=6 --repeats=50 --dtype=bfloat16
+  # The width kernel's target block (d_model 1024, d_ff 4096, 16 heads, 1024 tokens x 8): the
+  # branched step at most 1.03x the single-width one, a quarter of the units at most 0.35 of
+  # the full width's time.
+  wants widths && part widths_block_1024 300 experiments/bench_widths.py --d_model=1024 \
+      --heads=16 --d_ff=4096 --seq_len=1024 --batch=8 --num_widths=4 --repeats=30 --modes=saved
   wants mfu && part mfu_gpt_tiny 300 experiments/bench_mfu.py --model=gpt_tiny --num_widths=6 \
       --steps=50
   # gpt_tiny's GPU size through train.py: semi sampling with the probe every 4 steps.

@@ -88,5 +88,5 @@ class PlanCache:
         self._plans.clear()
       args = self._arguments(layout, kind, setup, resize)
       self._plans[key] = (self.engine.plan(layout, **args), plan_lib.executed_widths(
-          layout, self.engine.num_layers, **args))
+          layout, self.engine.num_layers, kernel=self.engine.kernel, **args))
     return self._plans[key]

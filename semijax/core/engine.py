@@ -32,6 +32,7 @@ from semijax.core import mesh as mesh_lib
 from semijax.core import plan as plan_lib
 from semijax.core import precision as precision_lib
 from semijax.core import sharding
+from semijax.core import width_gemm
 
 TrainState = engine_state.TrainState
 
@@ -45,6 +46,8 @@ class Engine(engine_state.StateForms):
     mesh: a (data, tensor) mesh from `mesh.make_mesh`.
     tx: the optax optimizer (applied to padded parameters; padded slots stay zero).
     strict: if True, a step for a bucket that was not compiled raises instead of compiling.
+    kernel: how a device computes its width of a block (`layout.kernel`, `Plan.kernel`):
+      "switch", "pallas" or "auto" (pallas on GPU and TPU).
 
   The state's forms and moves (`init`, `init_logical`, `to_padded`, `to_logical`, `move`, ...)
   are mixed in from `engine_state.StateForms`; the traceable loss and steps are `steps`
@@ -54,7 +57,9 @@ class Engine(engine_state.StateForms):
 
   def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], loss_terms: Callable,
                mesh: jax.sharding.Mesh, tx: optax.GradientTransformation, *,
-               strict: bool = False):
+               strict: bool = False, kernel: str = "auto"):
+    width_gemm.resolve(kernel)               # names layout.kernel when it is not one of them
+    self.kernel = kernel
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract)
     bad = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_leaves_with_path(
@@ -141,7 +146,8 @@ class Engine(engine_state.StateForms):
         (`plan_lib.uniform_widths`); another compiled step.
     """
     self.check_layout(layout)
-    return plan_lib.make_plan(layout, self.mesh, resize=resize, offload=offload, widths=widths)
+    return plan_lib.make_plan(layout, self.mesh, resize=resize, offload=offload, widths=widths,
+                              kernel=self.kernel)
 
   # --- sharded computation (`engine_steps.StepFunctions`) -------------------------------------
 

@@ -20,6 +20,12 @@ the attention scores, not the GEMMs. (Rematerializing the whole branch instead, 
 mode, reruns every forward GEMM in the backward pass; keeping plain residuals, "residuals",
 zero-fills every branch's own.)
 
+The other kernel (`layout.kernel`="pallas", `core.width_gemm`) has no branches: given width None,
+`mlp_partial` and `attention_partial` run the block at the capacity C with GEMMs that skip the
+tiles past `active` (the limit is data, so one program serves every width and no conditional
+reads an index back to the host). The attention scores and softmax still run over all C heads
+(the heads past `active` are zeros, masked before the row GEMM).
+
 `Cut` describes what a ZERO-resized device leaves out of a block (`core.resize`); `mlp_partial`
 and `attention_partial` compute one device's partial block output, exact or cut.
 """
@@ -34,6 +40,8 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 from jax import ad_checkpoint
+
+from semijax.core import width_gemm
 
 # What a branch keeps for the backward pass (see module doc): "saved" (the padded GEMM outputs,
 # named `SAVED`), "remat" (nothing: the whole forward pass reruns) or "residuals" (everything
@@ -189,13 +197,17 @@ def _permuted_bwd(k, axis, unit_size, perm, g):
 _permuted_take.defvjp(_permuted_fwd, _permuted_bwd)
 
 
-def _column(x, w, b, width, unit_size, cut):
+def _column(x, w, b, width, unit_size, cut, limit=None):
   """Column-parallel GEMM of x [..., d_model] with the local block w [d_model, C*unit_size].
 
   Returns [..., width*unit_size]: the first `width` slots, or the slots `cut.units[:width]` in
   units mode; in contraction mode only the features `cut.feats[:cut.feats_kept]` are summed.
+  With `limit` (int32 scalar, the pallas kernel; width = C), the slots >= limit are skipped
+  (their GEMM outputs are zero, plus the bias).
   """
   n = width * unit_size
+  if limit is not None:
+    return width_gemm.column(x, w, limit * unit_size) + b
   if cut is None:
     return saved(x @ w[:, :n] + b[:n], w.shape[1])
   if cut.feats is None:
@@ -206,13 +218,16 @@ def _column(x, w, b, width, unit_size, cut):
   return (xf @ permuted_take(w[:, :n], cut.feats, fw, 0)) * cut.col_scale + b[:n]
 
 
-def _row(h, w, width, unit_size, cut):
+def _row(h, w, width, unit_size, cut, limit=None):
   """Row-parallel GEMM of h [..., width, unit_size] (masked) with w [C*unit_size, d_model].
 
   Returns this device's partial sum [..., d_model], times `cut.row_scale`. In contraction mode
-  it sums only over the slots `cut.units[:cut.kept]`.
+  it sums only over the slots `cut.units[:cut.kept]`; with `limit` (the pallas kernel) only over
+  the slots < limit.
   """
   flat = lambda a: a.reshape(*a.shape[:-2], a.shape[-2] * unit_size)
+  if limit is not None:
+    return width_gemm.row(flat(h), w, limit * unit_size)
   if cut is None:
     return flat(h) @ w[:width * unit_size]
   if cut.feats is None:   # units mode: h already holds the selected units
@@ -230,11 +245,22 @@ def _computed(width, active, cut):
   return active if cut is None or cut.feats is not None else cut.kept
 
 
+def _limit(width, active, cut, capacity):
+  """(limit, width): width None is the pallas kernel, (active, capacity); else (None, width)."""
+  if width is not None:
+    return None, width
+  if cut is not None:
+    raise ValueError("kernels: the pallas kernel (width None) computes exact blocks only, "
+                     "not a resized device's cut")
+  return active, capacity
+
+
 def mlp_partial(width, x, w1, b1, w2, active, cut: Cut | None = None):
   """This device's partial MLP output, computed at `width` units.
 
   Args:
-    width: static compute width (<= C).
+    width: static compute width (<= C), or None: C, through the pallas kernels that skip the
+      units >= active (`core.width_gemm`; no `cut`).
     x: [..., d_model] activations (replicated over `tensor`).
     w1: [d_model, C] local column block; b1: [C]; w2: [C, d_model] local row block.
     active: int32 scalar; slots >= active contribute zero.
@@ -243,9 +269,10 @@ def mlp_partial(width, x, w1, b1, w2, active, cut: Cut | None = None):
   Returns:
     [..., d_model] partial sum (before the all-reduce, without the output bias).
   """
-  h = jax.nn.gelu(_column(x, w1, b1, width, 1, cut))
+  limit, width = _limit(width, active, cut, w1.shape[1])
+  h = jax.nn.gelu(_column(x, w1, b1, width, 1, cut, limit))
   h = h * unit_mask(width, _computed(width, active, cut), h.dtype)
-  return _row(h[..., None], w2, width, 1, cut)
+  return _row(h[..., None], w2, width, 1, cut, limit)
 
 
 def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | None = None, *,
@@ -253,7 +280,8 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
   """This device's partial attention output, computed at `width` heads.
 
   Args:
-    width: static compute width in heads (<= C).
+    width: static compute width in heads (<= C), or None: C, through the pallas kernels that
+      skip the heads >= active in the projections (`core.width_gemm`; no `cut`).
     x: [batch, seq, d_model] activations (replicated over `tensor`).
     wq, wk, wv: [d_model, C*head_dim] local column blocks; bq, bk, bv: [C*head_dim];
     wo: [C*head_dim, d_model] local row block.
@@ -266,7 +294,8 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
   Returns:
     [batch, seq, d_model] partial sum (before the all-reduce, without the output bias).
   """
-  heads = lambda w, b: _column(x, w, b, width, head_dim, cut).reshape(
+  limit, width = _limit(width, active, cut, wo.shape[0] // head_dim)
+  heads = lambda w, b: _column(x, w, b, width, head_dim, cut, limit).reshape(
       *x.shape[:-1], width, head_dim)
   q, k, v = heads(wq, bq), heads(wk, bk), heads(wv, bv)
   out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
@@ -274,4 +303,4 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
     flat = saved(out.reshape(*out.shape[:-2], width * head_dim), wo.shape[0])
     out = flat.reshape(out.shape)
   out = out * unit_mask(width, _computed(width, active, cut), out.dtype)[:, None]
-  return _row(out, wo, width, head_dim, cut)
+  return _row(out, wo, width, head_dim, cut, limit)

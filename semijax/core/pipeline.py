@@ -53,6 +53,7 @@ from semijax.core import pipeline_programs
 from semijax.core import pipeline_state
 from semijax.core import pipeline_step
 from semijax.core import schedule as schedule_lib
+from semijax.core import width_gemm
 from semijax.core.engine import TrainState
 
 DATA, PIPE, TENSOR = mesh_lib.DATA, mesh_lib.PIPE, mesh_lib.TENSOR
@@ -77,11 +78,13 @@ class PipelineEngine:
     tx: the optax optimizer (applied to the stacked parameters; padded rows stay zero).
     schedule: "gpipe" or "1f1b" (`core.schedule`).
     microbatches: the most microbatches any data-parallel pipeline runs in a step (static).
+    kernel: how a device computes its width of a block (`layout.kernel`, `Plan.kernel`).
   """
 
   def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], loss_terms: Callable,
                mesh: jax.sharding.Mesh, tx: optax.GradientTransformation, *,
-               schedule: str = "1f1b", microbatches: int = 1):
+               schedule: str = "1f1b", microbatches: int = 1, kernel: str = "auto"):
+    width_gemm.resolve(kernel)               # names layout.kernel when it is not one of them
     if schedule not in schedule_lib.SCHEDULES:
       raise ValueError(f"pipeline.schedule: {schedule!r} is not one of "
                        f"{list(schedule_lib.SCHEDULES)}")
@@ -96,7 +99,8 @@ class PipelineEngine:
     self.data_size = mesh.shape[DATA]
     self.states = pipeline_state.PipeStates(parts, mesh, tx)
     self.step_body = pipeline_step.PipeStep(parts, loss_terms, stages=self.stages,
-                                            schedule=schedule, microbatches=self.microbatches)
+                                            schedule=schedule, microbatches=self.microbatches,
+                                            kernel=kernel)
     self.param_shardings = self.states.param_shardings
     self.programs = pipeline_programs.PipePrograms(self.step_body, mesh, self.axes,
                                                    self.param_shardings, tx)

@@ -50,11 +50,12 @@ class PipeStep:
     stages: P, the mesh's `pipe` size.
     schedule: "gpipe" or "1f1b" (`core.schedule`).
     microbatches: M, the most microbatches any data-parallel pipeline runs in a step (static).
+    kernel: how a device computes its width of a block (`Plan.kernel`).
   """
 
   def __init__(self, model: pipeline_model.PipeModel, loss_terms: Callable, *, stages: int,
-               schedule: str, microbatches: int):
-    self.model, self.loss_terms = model, loss_terms
+               schedule: str, microbatches: int, kernel: str = "auto"):
+    self.model, self.loss_terms, self.kernel = model, loss_terms, kernel
     self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
 
   def _stage(self, stack, count, plan, x):
@@ -81,7 +82,8 @@ class PipeStep:
     mbs = jax.tree.map(lambda x: x.reshape((m_count, -1) + x.shape[1:]), batch)
     over_data = (lambda x: x) if per_replica else (lambda x: jax.lax.psum(x, DATA))
     total = over_data(jnp.sum(batch["weights"]))
-    plan = plan_lib.Plan({k: v.reshape(1) for k, v in pplan.active.items()}, pplan.widths)
+    plan = plan_lib.Plan({k: v.reshape(1) for k, v in pplan.active.items()}, pplan.widths,
+                         kernel=self.kernel)
     count = pplan.layers.reshape(())
     table = jnp.take(pplan.table[0], s, axis=1)                         # [T, 2]
     shared = jax.tree.map(lambda x: _vary(x, (DATA, PIPE)), params[SHARED])

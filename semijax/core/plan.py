@@ -1,10 +1,10 @@
 """The step plan: what every tensor device computes in one step, as data of a compiled step.
 
 A `Plan` holds the per-device active counts, the resize arrays and the offload plans of one step
-(data, split over `tensor`), and the compiled bucket widths (static). Changing the data never
-recompiles; changing the static parts selects another compiled variant. `executed_widths` says,
-on the host, what width every device executes in every block of a step: what the emulated
-slowdown charges, and what a cost model counts.
+(data, split over `tensor`), and the compiled bucket widths and the width kernel (static).
+Changing the data never recompiles; changing the static parts selects another compiled variant.
+`executed_widths` says, on the host, what width every device executes in every block of a step:
+what the emulated slowdown charges, and what a cost model counts.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from jax.sharding import PartitionSpec as P
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import offload as offload_lib
+from semijax.core import width_gemm
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("active", "resize", "offload"),
-                   meta_fields=("widths",))
+                   meta_fields=("widths", "kernel"))
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What every tensor device computes in one step.
@@ -35,12 +36,22 @@ class Plan:
     offload: {kind: `offload.OffloadPlan`} for every kind (the same in every layer), or None: which
       units each device sends to helpers and computes for others. Exact, so `exact()` keeps it.
     widths: ((kind, compute widths), ...), static: the compiled bucket widths.
+    kernel: static, how a device of an exact block without offload computes its width when
+      several are compiled (`width_gemm.KERNELS`): "switch" (`lax.switch` over `widths`),
+      "pallas" (one program whose GEMMs skip the units past `active`) or "auto".
   """
 
   active: dict
   widths: tuple
   resize: object = None
   offload: dict | None = None
+  kernel: str = "auto"
+
+  def runs_pallas(self) -> bool:
+    """Whether an exact block without offload runs the pallas kernel (resolved on this
+    backend): it does when `kernel` says so and more than one width is compiled."""
+    return (self.resize is None and self.offload is None and width_gemm.resolve(self.kernel)
+            == "pallas" and any(len(w) > 1 for _, w in self.widths))
 
   def widths_of(self, kind: str) -> tuple[int, ...]:
     return dict(self.widths)[kind]
@@ -76,7 +87,7 @@ def uniform_widths(layout: layout_lib.Layout) -> dict | None:
 
 
 def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, resize=None, offload=None,
-              widths: dict | None = None) -> Plan:
+              widths: dict | None = None, kernel: str = "auto") -> Plan:
   """The device-placed plan for `layout` (every data leaf sharded over `tensor`).
 
   `resize` is a host-side `resize.Resize` (numpy leaves [N, L, ...]) or None.
@@ -85,15 +96,17 @@ def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, resize=None
   uses the same compiled step (`offload.static_shape`).
   `widths` ({kind: ascending compute widths}, default the layout's) narrows the compiled branches,
   e.g. to `uniform_widths(layout)`; the widest must cover every device's active count.
+  `kernel` is the width kernel (`Plan.kernel`).
 
   Raises:
     ValueError: `offload` with an unknown kind, or together with `resize` (not supported);
-      `widths` that do not cover an active count or exceed the capacity.
+      `widths` that do not cover an active count or exceed the capacity; an unknown `kernel`.
     LayoutError: `offload.<kind>` with a bad straggler, helper or share (`offload.make_plan`).
   """
   if offload is not None and resize is not None:
     raise ValueError("offload: cannot be combined with resize (a resized device's kept units "
                      "are a permutation, offload sends its last active slots); pass one of them")
+  width_gemm.resolve(kernel)                 # names layout.kernel when it is not one of them
   kind_widths = _widths(layout, widths)
   put = lambda x: mesh_lib.put(x, mesh, P(mesh_lib.TENSOR))
   active = {k: put(np.asarray(u.active, np.int32)) for k, u in layout.kinds().items()}
@@ -101,7 +114,7 @@ def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, resize=None
     resize = jax.tree.map(put, resize)
   if offload is not None:
     offload = _offload_plans(layout, mesh, offload)
-  return Plan(active, tuple(kind_widths.items()), resize, offload)
+  return Plan(active, tuple(kind_widths.items()), resize, offload, kernel)
 
 
 def _widths(layout: layout_lib.Layout, widths: dict | None) -> dict:
@@ -119,11 +132,12 @@ def _widths(layout: layout_lib.Layout, widths: dict | None) -> dict:
 
 
 def executed_widths(layout: layout_lib.Layout, num_layers: int, *, resize=None, offload=None,
-                    widths: dict | None = None) -> dict:
+                    widths: dict | None = None, kernel: str = "switch") -> dict:
   """{kind: float64 [N, L]}: the width each tensor device executes in each layer's block.
 
   The host's mirror of what `tp.row_parallel` selects on the device (same arguments as
-  `make_plan`, with the host `resize`): exact, the smallest compiled width >= its active count;
+  `make_plan`, with the host `resize`): exact, the smallest compiled width >= its active count
+  (under the pallas kernel, the active count itself: it skips the units past it);
   resized in units mode, that of its kept count; in contraction mode, its active width times
   the compiled keep fraction; with offload, the width >= what it keeps plus one chunk for every
   round in which it computes a straggler's units.
@@ -133,7 +147,10 @@ def executed_widths(layout: layout_lib.Layout, num_layers: int, *, resize=None, 
     w = np.asarray(_widths(layout, widths)[kind], np.float64)
     bucket = lambda c: w[np.minimum(np.searchsorted(w, c), len(w) - 1)]
     active = np.asarray(u.active)
-    executed = np.repeat(bucket(active)[:, None], num_layers, axis=1)
+    pallas = (resize is None and offload is None and len(w) > 1
+              and width_gemm.resolve(kernel) == "pallas")
+    width = active.astype(np.float64) if pallas else bucket(active)
+    executed = np.repeat(width[:, None], num_layers, axis=1)
     if offload is not None:
       rounds, chunk = offload_lib.static_shape(u)
       p = offload_lib.make_plan(u, offload.get(kind, {}), chunk=chunk, rounds=rounds)

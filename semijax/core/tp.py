@@ -1,9 +1,10 @@
 """Uneven tensor-parallel blocks: a column->row parallel block on each device's units, one psum.
 
 `row_parallel` is what the model layers call inside `jax.shard_map`. It runs this device's
-partial block (`kernels.mlp_partial`, `kernels.attention_partial`) at its bucket width, or its
-ZERO-resized variant (`plan.resize`), or the authors' offload path (`plan.offload`, see
-`core.offload`), and all-reduces. (`plan.executed_widths` mirrors, on the host, the width each
+partial block (`kernels.mlp_partial`, `kernels.attention_partial`) at its bucket width (a
+`lax.switch`, or the pallas kernel's one program: `plan.kernel`), or its ZERO-resized variant
+(`plan.resize`), or the authors' offload path (`plan.offload`, see `core.offload`), and
+all-reduces. (`plan.executed_widths` mirrors, on the host, the width each
 device executes here.)
 """
 
@@ -98,6 +99,8 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights, units=None):
         raise ValueError(f"tp.row_parallel.units: offload needs (axis, unit size) for each of "
                          f"the {len(weights)} weights of {kind}, got {units!r}")
       y, _ = offload_lib.block_partial(plan.offload[kind], widths, fn, x, weights, units)
+    elif plan.runs_pallas():
+      y = fn(None, x, *weights, active)
     elif plan.resize is None:
       y = kernels.at_width(active, widths, fn, x, *weights, active)
     else:

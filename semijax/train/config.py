@@ -34,6 +34,7 @@ from semijax.core import mesh as mesh_lib
 from semijax.core import resize as resize_lib
 from semijax.core import schedule as schedule_lib
 from semijax.core import spec as spec_lib
+from semijax.core import width_gemm
 from semijax.errors import ConfigError
 from semijax.errors import LayoutError
 from semijax.sync import settings as sync_settings_lib
@@ -90,6 +91,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.layout.mlp = ml_collections.FieldReference("even", field_type=object)     # MLP units
   c.layout.heads = ml_collections.FieldReference("even", field_type=object)   # attention heads
   c.layout.num_widths = 4          # Compute widths compiled per unit kind.
+  # How a device computes its width when several are compiled: "switch" (lax.switch over them),
+  # "pallas" (GEMMs that skip the units past its width, one program; core.width_gemm) or
+  # "auto" (pallas on GPU and TPU, switch on CPU).
+  c.layout.kernel = "auto"
 
   c.hetero = ml_collections.ConfigDict()
   c.hetero.slowdown = ()           # Per tensor device slowdown factors; () = no emulation.
@@ -264,6 +269,7 @@ class RunConfig:
     pipeline: a pipelined or planned run's settings, else None.
     profile: the trace and the MFU peak (`config.profile`).
     run_ahead: whether steps may run ahead of the host (`trainer` module doc).
+    kernel: how a device computes its width of a block (`layout.kernel`, `Plan.kernel`).
   """
 
   seed: int
@@ -286,6 +292,7 @@ class RunConfig:
   pipeline: "PipelineSpec | None" = None
   profile: profile_lib.ProfileSpec = profile_lib.ProfileSpec()
   run_ahead: bool = True
+  kernel: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,6 +342,13 @@ def _bool(value, field: str) -> bool:
   if not isinstance(value, bool):
     raise ConfigError(f"config.{field}: must be True or False, got {value!r}")
   return value
+
+
+def _kernel(config) -> str:
+  kernel = config.layout.get("kernel", "auto")
+  if kernel not in width_gemm.KERNELS:
+    raise ConfigError(f"config.layout.kernel: {kernel!r} is not one of {width_gemm.KERNELS}")
+  return kernel
 
 
 def _int(value, field: str, minimum: int = 1) -> int:
@@ -456,7 +470,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
                    sync=sync, profile=profile_lib.ProfileSpec.from_config(config),
-                   run_ahead=_bool(config.run_ahead, "run_ahead"))
+                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config))
 
 
 PIPELINE_POLICIES = ("even", "static")
@@ -564,7 +578,7 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                    spec, layout, hetero, resize, balance, optimizer,
                    data_lib.DataSpec.from_config(config), config.to_dict(), sync=sync,
                    pipeline=pipeline, profile=profile_lib.ProfileSpec.from_config(config),
-                   run_ahead=_bool(config.run_ahead, "run_ahead"))
+                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config))
 
 
 def _syncs(config) -> tuple[str, ...]:

@@ -192,7 +192,8 @@ def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
   model_fn, loss_terms = models.build(run.model)
   engine = pipeline.PipelineEngine(model_fn, loss_terms, mesh,
                                    optimizer_lib.make(run.optimizer, run.steps),
-                                   schedule=plan.schedule, microbatches=max(plan.microbatches))
+                                   schedule=plan.schedule, microbatches=max(plan.microbatches),
+                                   kernel=run.kernel)
   layout = pipe_layout(plan, run.model, run.pipeline.layer_capacity)
   emulator = None
   if run.pipeline.devices is not None:

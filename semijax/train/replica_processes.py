@@ -60,7 +60,8 @@ _LOCAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _local_engine(engine: engine_lib.Engine) -> engine_lib.Engine:
   if engine not in _LOCAL:
     _LOCAL[engine] = engine_lib.Engine(engine.model_fn, engine.loss_terms,
-                                       real_lib.local_mesh(engine.mesh), engine.tx)
+                                       real_lib.local_mesh(engine.mesh), engine.tx,
+                                       kernel=engine.kernel)
   return _LOCAL[engine]
 
 

@@ -50,6 +50,8 @@ def refused(config, workdir, match):
     (lambda c: c.model.__setattr__("attention", "cudnn"),
      r"^config.model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got 'float32'"),
     (lambda c: c.optimizer.__setattr__("mu_dtype", "half"), r"^config.optimizer.mu_dtype: 'half'"),
+    (lambda c: c.layout.__setattr__("kernel", "cond"),
+     r"^config.layout.kernel: 'cond' is not one of \('switch', 'pallas', 'auto'\)"),
 ])
 def test_bad_config_is_refused_before_compiling(tmp_path, edit, match):
   config = tiny_gpt()
