@@ -18,7 +18,10 @@ the same kernel (so a narrow device's backward pass is narrow too):
   row     y = h[:, :limit] @ w[:limit]        dh = dy @ w.T (n)   dw = h.T @ dy (m)
 
 On GPUs the kernel lowers to Triton, on TPUs to Mosaic (the limit in SMEM), and elsewhere it
-runs in Pallas's interpret mode (the CPU tests; slow, so `resolve` keeps `switch` there).
+runs in Pallas's TPU interpreter (the CPU tests; hundreds of times slower than XLA, so `resolve`
+keeps `switch` there). A program holds a tile's whole strips of the contraction: on a TPU they
+sit in VMEM, so a very long contraction (a weight gradient sums over every token of the local
+batch) can outgrow it; the TPU path is lowered in the tests but has not run on a TPU.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 
 # `layout.kernel`: how a device computes its width of a block. "switch": `lax.switch` over the
 # compiled bucket widths; "pallas": this module's kernels; "auto": pallas on GPU and TPU, switch
@@ -111,10 +116,8 @@ def _kernel(limit_ref, a_ref, b_ref, o_ref, *, dim, trans_a, trans_b, tiles, k_s
 
 def _compiler_params(platform: str):
   if platform == "gpu":
-    from jax.experimental.pallas import triton as plgpu
     return plgpu.CompilerParams(num_warps=_WARPS, num_stages=_STAGES)
   if platform == "tpu":
-    from jax.experimental.pallas import tpu as pltpu
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
   return None
 
@@ -124,14 +127,12 @@ def _interpret(platform: str):
   operands vary over shard_map's manual axes)."""
   if platform != "interpret":
     return False
-  from jax.experimental.pallas import tpu as pltpu
   return pltpu.InterpretParams()
 
 
 def _limit_spec(platform: str) -> pl.BlockSpec:
   """The limit's block: a scalar in SMEM on TPUs (and in their interpreter), else one entry."""
   if platform in ("tpu", "interpret"):
-    from jax.experimental.pallas import tpu as pltpu
     return pl.BlockSpec(memory_space=pltpu.SMEM)
   return pl.BlockSpec((1,), lambda i, j: (0,))
 
