@@ -16,6 +16,7 @@ import os
 import jax
 
 from semijax import errors
+from semijax.core import barrier
 from semijax.core import transport
 
 
@@ -52,6 +53,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   else:
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                initialization_timeout=timeout_s)
+  barrier.route_orbax()
 
 
 def _count(value: str | None) -> int:

@@ -23,10 +23,10 @@ import os
 from typing import Callable
 
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
+from semijax.core import barrier
 from semijax.core import engine as engine_lib
 
 
@@ -171,11 +171,10 @@ class Checkpointer:
     if jax.process_index() == 0:
       os.makedirs(parent, exist_ok=True)
       os.rename(self.folder(step), target)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"semijax set aside checkpoint {step}")
+    barrier.wait_for_all(f"set aside checkpoint {step}")
     self._manager.reload()
-    if jax.process_count() > 1:   # before process 0 moves the next one, which reload would read
-      multihost_utils.sync_global_devices(f"semijax reloaded without checkpoint {step}")
+    # before process 0 moves the next one, which reload would read
+    barrier.wait_for_all(f"reloaded without checkpoint {step}")
     return target
 
   def latest_intact_step(self, on_damaged: Callable[[int, str], None] | None = None

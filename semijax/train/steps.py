@@ -7,9 +7,9 @@ import logging
 import math
 
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
 
+from semijax.core import barrier
 from semijax.core import transport
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
@@ -24,7 +24,7 @@ def start_together(name: str) -> None:
   the collectives' transport, which the warm-up started (`core.transport`). Nothing with one
   process."""
   if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
+    barrier.wait_for_all(name)
     if jax.default_backend() == "cpu":
       changed = transport.yield_to_steps()
       logging.info("collectives' transport threads %s now at nice %s", sorted(changed),

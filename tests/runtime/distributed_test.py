@@ -3,6 +3,7 @@
 import pytest
 
 from semijax import errors
+from semijax.core import barrier
 from semijax.core import transport
 from semijax.runtime import distributed
 
@@ -48,3 +49,20 @@ def test_a_cluster_job_of_several_processes_joins_by_jaxs_own_detection(env, clu
   calls.clear()
   distributed.initialize("127.0.0.1:1", 2, 1)          # given: as given, cluster or not
   assert calls == [(("127.0.0.1:1", 2, 1), {"initialization_timeout": 300})]
+
+
+def test_a_job_routes_orbax_barriers_through_the_coordination_service(monkeypatch):
+  # After jax.distributed is initialized, Orbax waits at its barriers through the coordination
+  # service, not with an all-gather program (which has hung on XLA:CPU).
+  from absl import flags
+  flag = flags.FLAGS[barrier._ORBAX_FLAG]          # the flag Orbax reads (once absl parsed)
+  monkeypatch.setattr(flag, "value", False)
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda *a, **k: None)
+  distributed.initialize("127.0.0.1:1", 2, 0)
+  assert flag.value is True
+
+
+def test_one_process_waits_at_no_barrier(monkeypatch):
+  monkeypatch.setattr(barrier.multihost_utils, "sync_global_devices",
+                      lambda name: pytest.fail("a barrier with one process"))
+  barrier.wait_for_all("alone")
