@@ -47,11 +47,9 @@ class Plan:
   offload: dict | None = None
   kernel: str = "auto"
 
-  def runs_pallas(self) -> bool:
-    """Whether an exact block without offload runs the pallas kernel (resolved on this
-    backend): it does when `kernel` says so and more than one width is compiled."""
-    return (self.resize is None and self.offload is None and width_gemm.resolve(self.kernel)
-            == "pallas" and any(len(w) > 1 for _, w in self.widths))
+  def runs_pallas(self, kind: str) -> bool:
+    """Whether this plan's blocks of `kind` run the pallas kernel (`runs_pallas`)."""
+    return runs_pallas(self.kernel, self.widths_of(kind), self.resize, self.offload)
 
   def widths_of(self, kind: str) -> tuple[int, ...]:
     return dict(self.widths)[kind]
@@ -68,6 +66,14 @@ class Plan:
     Offload is kept: it computes exactly the same values, and balances evaluation steps too.
     """
     return dataclasses.replace(self, resize=None)
+
+
+def runs_pallas(kernel: str, widths: tuple, resize=None, offload=None) -> bool:
+  """Whether a block with these compiled `widths` runs the pallas kernel rather than a
+  `lax.switch` or one width: an exact block without offload, more than one width compiled, and
+  `kernel` resolving to "pallas" on this backend (`width_gemm.resolve`)."""
+  return (resize is None and offload is None and len(widths) > 1
+          and width_gemm.resolve(kernel) == "pallas")
 
 
 def uniform_widths(layout: layout_lib.Layout) -> dict | None:
@@ -132,7 +138,7 @@ def _widths(layout: layout_lib.Layout, widths: dict | None) -> dict:
 
 
 def executed_widths(layout: layout_lib.Layout, num_layers: int, *, resize=None, offload=None,
-                    widths: dict | None = None, kernel: str = "switch") -> dict:
+                    widths: dict | None = None, kernel: str = "auto") -> dict:
   """{kind: float64 [N, L]}: the width each tensor device executes in each layer's block.
 
   The host's mirror of what `tp.row_parallel` selects on the device (same arguments as
@@ -147,8 +153,7 @@ def executed_widths(layout: layout_lib.Layout, num_layers: int, *, resize=None, 
     w = np.asarray(_widths(layout, widths)[kind], np.float64)
     bucket = lambda c: w[np.minimum(np.searchsorted(w, c), len(w) - 1)]
     active = np.asarray(u.active)
-    pallas = (resize is None and offload is None and len(w) > 1
-              and width_gemm.resolve(kernel) == "pallas")
+    pallas = runs_pallas(kernel, tuple(w), resize, offload)
     width = active.astype(np.float64) if pallas else bucket(active)
     executed = np.repeat(width[:, None], num_layers, axis=1)
     if offload is not None:

@@ -99,7 +99,7 @@ def row_parallel(plan: Plan, kind: str, fn: Callable, x, *weights, units=None):
         raise ValueError(f"tp.row_parallel.units: offload needs (axis, unit size) for each of "
                          f"the {len(weights)} weights of {kind}, got {units!r}")
       y, _ = offload_lib.block_partial(plan.offload[kind], widths, fn, x, weights, units)
-    elif plan.runs_pallas():
+    elif plan.runs_pallas(kind):
       y = fn(None, x, *weights, active)
     elif plan.resize is None:
       y = kernels.at_width(active, widths, fn, x, *weights, active)

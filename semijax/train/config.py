@@ -346,8 +346,10 @@ def _bool(value, field: str) -> bool:
 
 def _kernel(config) -> str:
   kernel = config.layout.get("kernel", "auto")
-  if kernel not in width_gemm.KERNELS:
-    raise ConfigError(f"config.layout.kernel: {kernel!r} is not one of {width_gemm.KERNELS}")
+  try:
+    width_gemm.resolve(kernel, "cpu")        # names layout.kernel when it is not one of them
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
   return kernel
 
 

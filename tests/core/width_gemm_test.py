@@ -107,7 +107,8 @@ def test_a_random_uneven_layout_matches_the_switch_kernel_and_the_reference(mode
   for kernel, eng in engines.items():
     state = eng.to_padded(logical, layout)
     plan = eng.plan(layout)
-    assert plan.kernel == kernel and plan.runs_pallas() == (kernel == "pallas")
+    assert plan.kernel == kernel
+    assert all(plan.runs_pallas(k) == (kernel == "pallas") for k in ("mlp", "heads"))
     out[kernel] = helpers.logits_and_grads(eng, state.params, eng.shard_batch(batch_np), plan)
   helpers.assert_trees_close(out["pallas"], out["switch"], atol=2e-5)
   ref_logits, _ = helpers.reference_logits_and_grads(model, logical.params, batch_np)
@@ -127,7 +128,7 @@ def test_an_even_split_in_a_larger_bucket_matches_the_dense_reference():
   state = eng.to_padded(logical, layout)
   batch_np = helpers.make_batch("gpt")
   plan = eng.plan(layout)
-  assert plan.runs_pallas()
+  assert plan.runs_pallas("mlp") and plan.runs_pallas("heads")
   logits, grads = helpers.logits_and_grads(eng, state.params, eng.shard_batch(batch_np), plan)
   ref_logits, ref_grads = helpers.reference_logits_and_grads("gpt", logical.params, batch_np)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=2e-5, rtol=1e-5)
@@ -169,3 +170,16 @@ def test_executed_widths_under_the_pallas_kernel_are_the_active_counts():
     bucket = [min(w for w in u.widths if w >= a) for a in u.active]
     np.testing.assert_array_equal(switch[kind][:, 0], bucket)
   assert any(np.any(switch[k] > pallas[k]) for k in switch)
+
+
+def test_the_kernel_is_chosen_per_kind_and_executed_widths_agree():
+  # A kind compiled at one width runs that width plainly, even where the other kind runs the
+  # pallas kernel; the host's mirror of what each device executes says the same.
+  layout = helpers.random_layout(2, 4)
+  one_width = {"heads": (layout.heads.capacity,)}
+  plan = plan_lib.Plan(dict(layout.kinds()), tuple(dict(
+      {k: u.widths for k, u in layout.kinds().items()}, **one_width).items()), kernel="pallas")
+  assert plan.runs_pallas("mlp") and not plan.runs_pallas("heads")
+  executed = plan_lib.executed_widths(layout, 1, widths=one_width, kernel="pallas")
+  np.testing.assert_array_equal(executed["mlp"][:, 0], layout.mlp.active)
+  assert np.all(executed["heads"] == layout.heads.capacity)
