@@ -280,8 +280,9 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
   """This device's partial attention output, computed at `width` heads.
 
   Args:
-    width: static compute width in heads (<= C), or None: C, through the pallas kernels that
-      skip the heads >= active in the projections (`core.width_gemm`; no `cut`).
+    width: static compute width in heads (<= C; 0 computes nothing), or None: C, through the
+      pallas kernels that skip the heads >= active in the projections (`core.width_gemm`; no
+      `cut`).
     x: [batch, seq, d_model] activations (replicated over `tensor`).
     wq, wk, wv: [d_model, C*head_dim] local column blocks; bq, bk, bv: [C*head_dim];
     wo: [C*head_dim, d_model] local row block.
@@ -298,7 +299,10 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
   heads = lambda w, b: _column(x, w, b, width, head_dim, cut, limit).reshape(
       *x.shape[:-1], width, head_dim)
   q, k, v = heads(wq, bq), heads(wk, bk), heads(wv, bv)
-  out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+  if width == 0:      # a drained device: no heads, a zero partial sum from the empty row GEMM
+    out = q
+  else:
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
   if cut is None:     # the row GEMM's input, kept by a branch (see `saved`)
     flat = saved(out.reshape(*out.shape[:-2], width * head_dim), wo.shape[0])
     out = flat.reshape(out.shape)

@@ -12,7 +12,12 @@ A `UnitLayout` says, for one kind and every device of the `tensor` mesh axis,
     JAX needs equal local shapes);
   * `active[d]`: how many leading slots device d computes this step (active <= owned <= C);
   * `widths`: the compute widths compiled ahead of time (ascending, the last equals C). Device d
-    executes its GEMMs at the smallest width >= active[d], not at C.
+    executes its GEMMs at the smallest width >= active[d], not at C. A leading width 0 is a
+    branch that computes nothing: a device that owns no units (a *drained* device, e.g. one
+    failing slowly) then executes nothing in the block, rather than the smallest width.
+
+Zero is a valid count: a device may own no units of a kind, as long as some device owns each
+unit (the counts sum to the model's units).
 
 Padded, device-major arrays: the unit axis of a logical array with U units becomes N*C slots (times
 the unit size). Device d holds slots [d*C, (d+1)*C); slot d*C + s holds logical unit owned[d][s] for
@@ -43,12 +48,14 @@ DEFAULT_NUM_WIDTHS = 4
 LayoutError = errors.LayoutError
 
 
-def default_widths(capacity: int, num_widths: int = DEFAULT_NUM_WIDTHS) -> tuple[int, ...]:
-  """`num_widths` compute widths spread evenly up to `capacity`: ceil(k*C/n) for k = 1..n."""
+def default_widths(capacity: int, num_widths: int = DEFAULT_NUM_WIDTHS,
+                   zero: bool = False) -> tuple[int, ...]:
+  """`num_widths` compute widths spread evenly up to `capacity`: ceil(k*C/n) for k = 1..n,
+  after a width 0 (a branch that computes nothing, for drained devices) if `zero`."""
   if capacity < 1:
     raise LayoutError(f"capacity must be >= 1, got {capacity}")
   n = max(1, min(num_widths, capacity))
-  return tuple(sorted({math.ceil(k * capacity / n) for k in range(1, n + 1)}))
+  return (0,) * zero + tuple(sorted({math.ceil(k * capacity / n) for k in range(1, n + 1)}))
 
 
 def even_counts(num_units: int, num_devices: int) -> tuple[int, ...]:
@@ -177,9 +184,9 @@ class UnitLayout:
       if not 0 <= a <= c:
         raise LayoutError(f"{f}.active: device {d} has active={a}, outside [0, owned={c}]")
     w = self.widths
-    if (not w or any(x < 1 for x in w) or list(w) != sorted(set(w)) or w[-1] != self.capacity):
+    if (not w or any(x < 0 for x in w) or list(w) != sorted(set(w)) or w[-1] != self.capacity):
       raise LayoutError(
-          f"{f}.widths: {w} must be distinct ascending positive widths ending at capacity "
+          f"{f}.widths: {w} must be distinct ascending widths (0 or more) ending at capacity "
           f"{self.capacity}")
 
   # --- constructors -------------------------------------------------------------------------
@@ -188,14 +195,17 @@ class UnitLayout:
   def from_counts(cls, kind: str, counts: Sequence[int], *, capacity: int | None = None,
                   widths: Sequence[int] | None = None,
                   num_widths: int = DEFAULT_NUM_WIDTHS) -> "UnitLayout":
-    """A contiguous device-major layout: device d owns the next `counts[d]` logical units."""
+    """A contiguous device-major layout: device d owns the next `counts[d]` logical units.
+
+    Default widths: `default_widths`, with the width 0 when a device owns none."""
     counts = tuple(int(c) for c in counts)
     if any(c < 0 for c in counts):
       raise LayoutError(f"layout.{kind}.counts: negative count in {counts}")
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
     owned = tuple(tuple(range(s, s + c)) for s, c in zip(starts, counts))
     capacity = max(max(counts, default=0), 1) if capacity is None else int(capacity)
-    widths = default_widths(capacity, num_widths) if widths is None else tuple(widths)
+    widths = (default_widths(capacity, num_widths, zero=0 in counts) if widths is None
+              else tuple(widths))
     return cls(kind, sum(counts), owned, capacity, counts, widths)
 
   @classmethod
@@ -354,6 +364,12 @@ class Layout:
   @property
   def num_devices(self) -> int:
     return self.mlp.num_devices
+
+  def drained(self) -> tuple[int, ...]:
+    """The devices that own no units of any kind (a drained device: its blocks compute nothing
+    where width 0 is compiled)."""
+    return tuple(d for d in range(self.num_devices)
+                 if all(u.counts[d] == 0 for u in self.kinds().values()))
 
   @classmethod
   def canonical(cls, num_units: dict, num_devices: int) -> "Layout":

@@ -129,7 +129,7 @@ def _widths(layout: layout_lib.Layout, widths: dict | None) -> dict:
   for kind, w in (widths or {}).items():
     u = layout.kinds().get(kind)
     w = tuple(int(x) for x in w)
-    if (u is None or not w or list(w) != sorted(set(w)) or w[0] < 1 or w[-1] > u.capacity
+    if (u is None or not w or list(w) != sorted(set(w)) or w[0] < 0 or w[-1] > u.capacity
         or w[-1] < max(u.active)):
       raise ValueError(f"widths.{kind}: {w} must be ascending widths of a layout kind, at most "
                        f"its capacity and covering every active count ({layout.to_json()})")

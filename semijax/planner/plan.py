@@ -73,10 +73,10 @@ class Plan:
       raise errors.ConfigError(f"plan.stage_layers: need {self.pipe} counts >= 1, got {layers}")
     units = tuple({k: tuple(int(c) for c in v) for k, v in dict(u).items()}
                   for u in self.stage_units)
-    if len(units) != self.pipe or any(len(c) != self.tensor or min(c) < 1
+    if len(units) != self.pipe or any(len(c) != self.tensor or min(c) < 0 or sum(c) < 1
                                       for u in units for c in u.values()):
       raise errors.ConfigError(f"plan.stage_units: need per stage ({self.pipe}) "
-                               f"{{kind: {self.tensor} counts >= 1}}, got {units}")
+                               f"{{kind: {self.tensor} counts >= 0, not all 0}}, got {units}")
     micro = tuple(int(x) for x in self.microbatches)
     if len(micro) != self.data or min(micro) < 1:
       raise errors.ConfigError(f"plan.microbatches: need {self.data} counts >= 1, got {micro}")

@@ -535,8 +535,8 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                           f"{mesh.tensor} (every stage alike) or pipe x tensor = "
                           f"{mesh.pipe * mesh.tensor}")
       for p, c in enumerate(counts):
-        if sum(c) != total or min(c) < 1:
-          raise ConfigError(f"config.layout.{kind}: stage {p} has counts {c}; each must be >= 1 "
+        if sum(c) != total or min(c) < 0:
+          raise ConfigError(f"config.layout.{kind}: stage {p} has counts {c}; each must be >= 0 "
                             f"and they must sum to the model's {total}")
     units[kind] = counts
   devices = _devices(config.hetero, mesh, num_devices, bool(plan))

@@ -29,6 +29,8 @@ def refused(config, workdir, match):
     (lambda c: c.layout.__setattr__("heads", "4,4"),
      r"^config.layout.heads: 2 counts \(4, 4\) for 4 tensor devices"),
     (lambda c: c.layout.__setattr__("mlp", "lots"), r"^config.layout.mlp: 'lots' is not 'even'"),
+    (lambda c: c.layout.__setattr__("heads", (10, -2, 0, 0)),
+     r"^config.layout.heads.counts: negative count in \(10, -2, 0, 0\)"),
     (lambda c: c.model.__setattr__("num_heads", 6),
      r"^config.model.num_heads: 6 heads do not divide the model width d_model=32"),
     (lambda c: c.hetero.__setattr__("slowdown", (1.0, 4.0, 1.0)),

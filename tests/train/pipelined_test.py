@@ -57,13 +57,13 @@ def test_pipelined_run_matches_the_unpipelined_run(tmp_path):
   flat = train.train_and_evaluate(tiny(), str(tmp_path / "flat"))
   c = tiny(**{"mesh.data": 2, "mesh.pipe": 2, "pipeline.microbatches": "3,1",
               "pipeline.layers": "1,3", "pipeline.schedule": "gpipe",
-              "layout.mlp": "40,24,10,54", "layout.heads": "5,3,2,6"})
+              "layout.mlp": "40,24,0,64", "layout.heads": "5,3,0,8"})    # stage 1: one drained
   piped = train.train_and_evaluate(c, str(tmp_path / "piped"))
   np.testing.assert_allclose(piped["losses"], flat["losses"], rtol=2e-5)
   np.testing.assert_allclose(piped["val/loss"], flat["val/loss"], rtol=2e-5)
   plan = json.load(open(tmp_path / "piped" / "plan.json"))
   assert plan["stage_layers"] == [1, 3] and plan["microbatches"] == [3, 1]
-  assert plan["stage_units"][1] == {"mlp": [10, 54], "heads": [2, 6]}
+  assert plan["stage_units"][1] == {"mlp": [0, 64], "heads": [0, 8]}
 
 
 def test_resume_continues_exactly_and_refuses_another_stage_count(tmp_path):

@@ -38,10 +38,12 @@ def test_config_smoke(tmp_path, name, unit):
   assert os.listdir(tmp_path / "checkpoints") == ["4"]
 
 
-def test_uneven_layout_without_slowdown_gives_the_even_losses(tmp_path):
+@pytest.mark.parametrize("mlp, heads", [((1, 30, 20, 13), "3,1,2,2"),
+                                        ("0,22,21,21", (0, 3, 3, 2))])    # device 0 drained
+def test_uneven_layout_without_slowdown_gives_the_even_losses(tmp_path, mlp, heads):
   even = train.train_and_evaluate(tiny_gpt(steps=5), str(tmp_path / "even"))
-  uneven = train.train_and_evaluate(
-      tiny_gpt(steps=5, mlp=(1, 30, 20, 13), heads="3,1,2,2"), str(tmp_path / "uneven"))
+  uneven = train.train_and_evaluate(tiny_gpt(steps=5, mlp=mlp, heads=heads),
+                                    str(tmp_path / "uneven"))
   np.testing.assert_allclose(uneven["losses"], even["losses"], rtol=2e-6, atol=2e-6)
   np.testing.assert_allclose(uneven["val/loss"], even["val/loss"], rtol=2e-6)
   assert even["losses"][-1] < even["losses"][0]
