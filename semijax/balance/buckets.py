@@ -20,16 +20,21 @@ from semijax.core import migrate as migrate_lib
 Layout = layout_lib.Layout
 
 
-def bucket_layout(layout: Layout, factor: float, num_widths: int) -> Layout:
+def bucket_layout(layout: Layout, factor: float, num_widths: int, zero: bool = False) -> Layout:
   """`layout` (same owners) in a bucket of capacity ceil(factor * U / N) per kind (at most
-  U - N + 1, at least the largest count), with `num_widths` compute widths."""
+  U - N + 1, at least the largest count), with `num_widths` compute widths. If `zero` (a device
+  may be drained), also the width 0 and the even share of the other N - 1 devices,
+  ceil(U / (N - 1)), so that draining one device wastes no bucket width."""
   kinds = {}
   for kind, u in layout.kinds().items():
     n = u.num_devices
     cap = min(u.num_units - n + 1, math.ceil(factor * u.num_units / n))
     cap = max(cap, max(u.counts))
+    widths = set(layout_lib.default_widths(cap, num_widths, zero))
+    if zero and n > 1 and math.ceil(u.num_units / (n - 1)) <= cap:
+      widths.add(math.ceil(u.num_units / (n - 1)))
     kinds[kind] = layout_lib.UnitLayout(kind, u.num_units, u.owned, cap, u.counts,
-                                        layout_lib.default_widths(cap, num_widths))
+                                        tuple(sorted(widths)))
   return Layout(**kinds)
 
 
@@ -102,9 +107,11 @@ class Buckets:
     return cls(layout, layout)
 
   @classmethod
-  def dynamic(cls, layout: Layout, factor: float, num_widths: int, tight: bool) -> "Buckets":
-    """The big bucket of `layout` and, if `tight`, the tight one of its even split to start in."""
-    big = bucket_layout(layout, factor, num_widths)
+  def dynamic(cls, layout: Layout, factor: float, num_widths: int, tight: bool,
+              zero: bool = False) -> "Buckets":
+    """The big bucket of `layout` and, if `tight`, the tight one of its even split to start in;
+    both compile the width 0 if `zero`."""
+    big = bucket_layout(layout, factor, num_widths, zero)
     start = tight_layout(big) if tight else big
     if capacities(start) == capacities(big):
       big = start

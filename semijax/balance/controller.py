@@ -54,8 +54,14 @@ class Decision:
   expected_s: float             # expected remaining duration of the current speeds
   skipped_steps: float = 0.0    # work resizing skipped before this step, in whole-model steps
 
+  @property
+  def drained(self) -> list[int]:
+    """The devices that compute nothing in this setup."""
+    return [int(d) for d in np.flatnonzero(~cost_lib.busy(self.setup))]
+
   def to_json(self) -> dict:
     return {"step": self.step, "choice": self.choice, "changed": self.changed,
+            "drained": self.drained,
             "moves": self.moves, "reason": self.reason,
             "predicted_s": {k: round(v, 6) for k, v in self.predicted_s.items()},
             "speeds": [round(s, 4) for s in self.speeds], "expected_s": round(self.expected_s, 3),
@@ -103,10 +109,20 @@ class Controller:
   def target_counts(self, speeds) -> dict:
     """{kind: units per device} for `speeds`: the fastest split on the compiled bucket widths
     (`layout.bucketed_counts`), at most the capacity each, with the cost model's repeated work
-    (a share of all units of each kind, every device at its own speed: water-filling)."""
-    return {k: layout_lib.bucketed_counts(
-        u, speeds, [w for w in self.cost.widths[k] if w <= self.capacity[k]],
-        offset=self.cost.repeat * u) for k, u in self.cost.num_units.items()}
+    (a share of all units of each kind, every device at its own speed: water-filling). A
+    moving policy whose bucket compiles the width 0 may also leave devices without units
+    (drained: no repeated work either) where the cost model finds that faster."""
+    widths = {k: [w for w in self.cost.widths[k] if w <= self.capacity[k]]
+              for k in self.cost.num_units}
+    split = lambda minimum: {k: layout_lib.bucketed_counts(
+        u, speeds, widths[k], offset=self.cost.repeat * u, minimum=minimum)
+                             for k, u in self.cost.num_units.items()}
+    kept = split(1)
+    if not (self.policy.moves and all(0 in w for w in widths.values())):
+      return kept
+    drained = split(0)
+    critical = lambda counts: self.cost.critical(Setup.of(counts), speeds)
+    return drained if critical(drained) < critical(kept) else kept
 
   def equalizing_keep(self, owned: dict, speeds) -> tuple | None:
     """Keep ratios that make each slow device about as fast as the slowest fast device: the
@@ -119,7 +135,8 @@ class Controller:
       return None
     exact = Setup(owned, owned, None)
     repeat = self.cost.repeat
-    target = float(np.max(np.where(slow, 0.0, (self.cost.loads(exact) + repeat) / speeds)))
+    idle = slow | ~cost_lib.busy(exact)
+    target = float(np.max(np.where(idle, 0.0, (self.cost.loads(exact) + repeat) / speeds)))
     floor = 1.0 - s.resize_budget
     grid = [g / s.keep_grid for g in range(s.keep_grid, 0, -1) if g / s.keep_grid >= floor - 1e-9]
     keep = []
@@ -197,6 +214,8 @@ class Controller:
     choice, reason = self.policy.choose(self, options)
     new = cands.get(choice, self.setup)    # the same candidate may adjust its keep ratios
     moves = new.owned != self.setup.owned
+    if moves:
+      reason = _drains(self.setup, new) + reason
     changed = new != self.setup
     if moves:
       self.last_move_step = step
@@ -254,3 +273,15 @@ class Controller:
     if self.setup.offloaded:
       return "offload"
     return "exact"
+
+
+def _drains(old: Setup, new: Setup) -> str:
+  """"drain device 3; " / "restore device 3; ": devices a move leaves without units, or gives
+  units again ("" if none)."""
+  was, now = cost_lib.busy(old), cost_lib.busy(new)
+  out = ""
+  for word, devices in (("drain", was & ~now), ("restore", ~was & now)):
+    if devices.any():
+      ids = ", ".join(str(d) for d in np.flatnonzero(devices))
+      out += f"{word} device{'s' if devices.sum() > 1 else ''} {ids}; "
+  return out

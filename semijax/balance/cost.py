@@ -5,6 +5,9 @@ predicts its step time at given relative speeds:
 
   step(setup) = fixed + per_load * max_d((b * load_d + repeat) / speed_d)   (bucket-quantized)
 
+over the devices that compute any unit: a drained device (no units of any kind) skips the
+repeated work too, and its speed does not count.
+
 `load_d` is the share of the model's FLOPs that device d *executes*: its computed units of each
 kind rounded up to the compiled bucket width (that is what `core.tp` runs), weighted by FLOPs per
 unit (`core.spec.ModelSpec.flops_per_unit`). A resized device executes, in units mode, the bucket
@@ -92,6 +95,11 @@ class Setup:
             "keep": None if self.keep is None else [round(k, 4) for k in self.keep]}
 
 
+def busy(setup: Setup) -> np.ndarray:
+  """bool [N]: the devices that compute some unit in `setup` (the others are drained)."""
+  return np.any([np.asarray(c) > 0 for c in setup.computed.values()], axis=0)
+
+
 class CostModel:
   """Predicts step seconds of a `Setup` at given speeds (see module doc).
 
@@ -152,6 +160,7 @@ class CostModel:
     # The remembered steps, newest last: weights [S], work [S, N], speeds [S, N], seconds [S].
     self._w = self._y = np.zeros(0)
     self._work = self._speeds = np.zeros((0, 0))
+    self._busy = np.zeros((0, 0), bool)
 
   def executed(self, kind: str, count: int) -> int:
     """The bucket width a device with `count` computed units of `kind` executes."""
@@ -219,12 +228,13 @@ class CostModel:
     return factor * self.loads(setup)
 
   def critical(self, setup: Setup, speeds) -> float:
-    """max_d (work_d + repeat) / speed_d: the slowest device's work per step, in shares of the
-    model's block work at full speed, with the calibrated `repeat`."""
-    return self._critical(self.work(setup), np.asarray(speeds, np.float64))
+    """max_d (work_d + repeat) / speed_d over the devices that compute (`busy`): the slowest
+    device's work per step, in shares of the model's block work at full speed, with the
+    calibrated `repeat`."""
+    return self._critical(self.work(setup), np.asarray(speeds, np.float64), busy(setup))
 
-  def _critical(self, work: np.ndarray, speeds: np.ndarray) -> float:
-    return float(np.max((work + self.repeat) / speeds))
+  def _critical(self, work: np.ndarray, speeds: np.ndarray, busy: np.ndarray) -> float:
+    return float(np.max(np.where(busy, (work + self.repeat) / speeds, 0.0)))
 
   def offload_bytes(self, setup: Setup, unit_bytes: dict) -> float:
     """Bytes sent per step for offloaded units: their weights out and gradients back."""
@@ -257,17 +267,19 @@ class CostModel:
     follows the measurements.
     """
     y = measured_s
-    work, speeds = self.work(setup), np.asarray(speeds, np.float64)
-    x = self._critical(work, speeds)
+    work, speeds, computes = self.work(setup), np.asarray(speeds, np.float64), busy(setup)
+    x = self._critical(work, speeds, computes)
     if not (y > 0 and math.isfinite(y)) or x <= 0:
       return
     keep = self._w * self.forget > 1e-3
     if self._work.shape[1:] != work.shape:
       keep[:] = False
       self._work = self._speeds = np.zeros((0, len(work)))
+      self._busy = np.zeros((0, len(work)), bool)
     self._w = np.append(self._w[keep] * self.forget, 1.0)
     self._work = np.vstack([self._work[keep], work[None]])
     self._speeds = np.vstack([self._speeds[keep], speeds[None]])
+    self._busy = np.vstack([self._busy[keep], computes[None]])
     self._y = np.append(self._y[keep], y)
     grid = np.array(sorted({self.repeat_prior, *REPEAT_GRID} if self.fit_repeat
                            else {self.repeat}))
@@ -318,7 +330,8 @@ class CostModel:
     if n < MIN_FIT_SAMPLES:
       return [None] * len(repeats)
     # x [R, S]: each remembered step's critical load with each repeat.
-    x = np.max((self._work[None] + repeats[:, None, None]) / self._speeds[None], axis=-1)
+    x = np.max(np.where(self._busy[None], (self._work[None] + repeats[:, None, None])
+                        / self._speeds[None], 0.0), axis=-1)
     mx, my = x @ w / n, (w * y).sum() / n
     var, vary = ((x - mx[:, None]) ** 2) @ w / n, (w * (y - my) ** 2).sum() / n
     cov = (x - mx[:, None]) @ (w * (y - my)) / n

@@ -135,7 +135,8 @@ class Controlled(Policy):
   def buckets(self, configured: layout_lib.Layout) -> buckets_lib.Buckets:
     s = self.settings
     return buckets_lib.Buckets.dynamic(configured, s.capacity_factor, s.num_widths or max(
-        len(u.widths) for u in configured.kinds().values()), tight=not self.offloads)
+        len([w for w in u.widths if w]) for u in configured.kinds().values()),
+        tight=not self.offloads, zero=self.moves and s.drain)
 
   def initial_setup(self, layout: layout_lib.Layout) -> Setup:
     return Setup.of({k: u.counts for k, u in layout.kinds().items()})

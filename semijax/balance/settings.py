@@ -23,6 +23,8 @@ class BalanceSettings:
     policy: a name in `balance.policies.REGISTRY` (even, static, resize, migrate, offload, semi).
     capacity_factor: the dynamic policies' big bucket holds factor x the even share per device.
     num_widths: compute widths compiled in that bucket (0 = `layout.num_widths`).
+    drain: whether a migrating policy may move every unit off a device (a drained device,
+      e.g. one failing slowly, computes nothing; the buckets also compile the width 0).
   Measuring speeds:
     measure: "emulated" (the `hetero.slowdown` profile), "sched" (Linux scheduler stats), "probe"
       (timing the model's MLP block on every device at once, `probe.Probe`) or "auto"
@@ -64,6 +66,7 @@ class BalanceSettings:
   policy: str = "static"
   capacity_factor: float = 2.0
   num_widths: int = 0
+  drain: bool = True
   measure: str = "auto"
   probe_every: int = 4
   probe_size: int = 0
@@ -108,8 +111,9 @@ class BalanceSettings:
       if not _is_number(v) or not (lo_ok and hi_ok):
         interval = f"({lo}, {hi}]" if closed else f"[{lo}, {hi})"
         raise ConfigError(f"{f}.{name}: must be in {interval}, got {v!r}")
-    if not isinstance(self.fit_repeat, bool):
-      raise ConfigError(f"{f}.fit_repeat: must be True or False, got {self.fit_repeat!r}")
+    for name in ("fit_repeat", "drain"):
+      if not isinstance(getattr(self, name), bool):
+        raise ConfigError(f"{f}.{name}: must be True or False, got {getattr(self, name)!r}")
     for name, lo in (("capacity_factor", 1.0), ("cost_memory", 1.0), ("resize_horizon_steps", 0)):
       v = getattr(self, name)
       if not _is_number(v) or not v >= lo:

@@ -102,39 +102,43 @@ def proportional_counts(num_units: int, speeds: Sequence[float], minimum: int = 
   return tuple(counts)
 
 
-def bucketed_counts(num_units: int, speeds: Sequence[float],
-                    widths: Sequence[int], offset: float = 0.0) -> tuple[int, ...]:
+def bucketed_counts(num_units: int, speeds: Sequence[float], widths: Sequence[int],
+                    offset: float = 0.0, minimum: int = 1) -> tuple[int, ...]:
   """Splits `num_units` by speed when each device executes at a compiled bucket width.
 
   A device owning c units runs at the smallest width >= c, so rounding proportional counts can
   land a device just above a width and waste most of a bucket. This picks the smallest finishing
   time T = (width + offset) / speed at which the widths allowed by T (the largest width w with
   (w + offset) / speed <= T on each device) hold every unit, then takes the surplus off the
-  devices with the largest (count + offset) / speed. Every device keeps at least one unit; no
-  device exceeds max(widths). `offset` is work every device repeats at its own speed, in units:
-  with it the split balances time rather than units, and a slow device gets less than its
-  proportional share (water-filling).
+  devices with the largest (count + offset) / speed. `offset` is work every device that owns
+  units repeats at its own speed, in units: with it the split balances time rather than units,
+  and a slow device gets less than its proportional share (water-filling). No device exceeds
+  max(widths).
 
   Args:
-    num_units: U; speeds: one positive speed per device; widths: the compiled widths (any order);
-    offset: repeated work per device, in units (>= 0).
+    num_units: U; speeds: one positive speed per device; widths: the compiled widths (any order;
+      a width 0 is ignored); offset: repeated work per device, in units (>= 0).
+    minimum: 1, every device keeps a unit; 0, a device may be left with none (drained: no
+      units and no repeated work) where that finishes sooner.
   """
   speeds = np.asarray(speeds, np.float64)
   if speeds.ndim != 1 or len(speeds) == 0 or np.any(~np.isfinite(speeds)) or np.any(speeds <= 0):
     raise LayoutError(f"speeds must be positive and finite, got {tuple(speeds.tolist())}")
   if not (math.isfinite(offset) and offset >= 0):
     raise LayoutError(f"offset must be finite and >= 0, got {offset}")
-  n, ws = len(speeds), sorted(set(int(w) for w in widths))
-  if n > num_units or ws[-1] * n < num_units:
+  if minimum not in (0, 1):
+    raise LayoutError(f"minimum must be 0 or 1, got {minimum}")
+  n, ws = len(speeds), sorted(set(int(w) for w in widths if w > 0))
+  if n * minimum > num_units or ws[-1] * n < num_units:
     raise LayoutError(f"cannot split {num_units} units over {n} devices with widths {tuple(ws)}")
   for t in sorted({(w + offset) / s for w in ws for s in speeds}):
     allow = [max((w for w in ws if (w + offset) / s <= t * (1 + 1e-12)), default=0)
              for s in speeds]
-    if min(allow) >= 1 and sum(allow) >= num_units:
+    if min(allow) >= minimum and sum(allow) >= num_units:
       break
   counts = list(allow)
   for _ in range(sum(counts) - num_units):
-    d = max((i for i in range(n) if counts[i] > 1),
+    d = max((i for i in range(n) if counts[i] > minimum),
             key=lambda i: (counts[i] + offset) / speeds[i])
     counts[d] -= 1
   return tuple(counts)

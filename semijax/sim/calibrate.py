@@ -230,7 +230,8 @@ def run_of(measured: dict, record: dict, hw: hardware_lib.Hardware, seed: int = 
   """The simulated run that replays `record` (one measured run) on hardware `hw`, with its own
   decisions (`scripted`) or the library's."""
   s = measured["setting"]
-  balance = dict(s["balance"], policy=record["policy"])
+  # A record without `drain` was measured before a policy could drain a device: replay it so.
+  balance = {"drain": False, **s["balance"], "policy": record["policy"]}
   hetero = None
   if record.get("hetero") and record["hetero"].get("slowdown"):
     h = record["hetero"]

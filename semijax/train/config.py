@@ -126,6 +126,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.measure = "auto"
   c.balance.capacity_factor = 2.0  # dynamic policies: bucket capacity = factor x the even share
   c.balance.num_widths = 0         # compute widths in that bucket; 0 = layout.num_widths
+  c.balance.drain = True           # migrate / semi may move every unit off a too-slow device
   c.balance.probe_every = 4        # steps between speed samples (and decisions)
   c.balance.probe_size = 0         # probe: 0 = the model's MLP block; else [size, size] matmuls
   c.balance.probe_repeats = 1      # probe passes in a row

@@ -22,9 +22,9 @@ from semijax.train import tensor as tensor_lib
 SLOWDOWN = (4.0, 1.0, 1.0, 1.0)
 
 
-def run(tmp_path, policy, **balance_fields):
+def run(tmp_path, policy, slowdown=SLOWDOWN, **balance_fields):
   c = tiny_gpt(tensor=4, steps=8)
-  c.hetero.slowdown = SLOWDOWN
+  c.hetero.slowdown = slowdown
   c.balance.policy = policy
   c.balance.patience = 1
   c.balance.min_dwell_steps = 1
@@ -87,6 +87,17 @@ def test_semi_resizes_a_short_slowdown(tmp_path, even):
   assert any(r["choice"] == "resize" and r["keep"][0] < 1 for r in records)
   # Resizing changes the computation: the losses leave the even run's.
   assert not np.allclose(summary["losses"], even["losses"], rtol=1e-5)
+
+
+def test_semi_drains_a_device_at_one_percent_without_loss(tmp_path, even):
+  summary, workdir = run(tmp_path, "semi", slowdown=(1.0, 1.0, 1.0, 100.0))
+  b = summary["balance"]
+  assert b["compiles_after_warmup"] == 0 and b["migrations"] == 1
+  assert b["layout_counts"]["mlp"][3] == 0 and b["layout_counts"]["heads"][3] == 0
+  drained = [r for r in decisions(workdir) if r["moves"]]
+  assert drained[0]["reason"].startswith("drain device 3; ") and drained[0]["drained"] == [3]
+  np.testing.assert_allclose(summary["losses"], even["losses"], rtol=1e-5)
+  np.testing.assert_allclose(summary["val/loss"], even["val/loss"], rtol=1e-5)
 
 
 def test_migrations_switch_buckets_and_keep_the_state(monkeypatch):

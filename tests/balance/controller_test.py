@@ -213,7 +213,7 @@ def test_decisions_carry_reasons_and_predictions():
 @pytest.mark.parametrize("field,value", [("policy", "fastest"), ("hysteresis", 1.5),
                                          ("resize_budget", -0.1), ("patience", 0),
                                          ("cost_alpha", float("nan")), ("confirm", 1.5),
-                                         ("fit_repeat", "no")])
+                                         ("fit_repeat", "no"), ("drain", 1)])
 def test_bad_settings_are_refused(field, value):
   with pytest.raises(ConfigError, match=f"^config.balance.{field}: "):
     settings_lib.BalanceSettings(**{field: value}).validate(policies.REGISTRY)
@@ -559,3 +559,61 @@ def test_semi_does_not_bridge_a_paying_migration_with_resized_steps():
   c.last_move_step = 0
   d = c.decide(2, SLOW, expected_s=2.0, step_s=1.0)
   assert d.choice == "resize" and d.setup.keep[1] < 1 and c.skipped_steps == 0
+
+
+# --- draining a device ----------------------------------------------------------------------
+
+
+def test_bucketed_counts_may_drain_a_device_that_is_too_slow():
+  # Speeds (1, 1, 0.01), repeated work of 1 unit: keeping a unit on device 2 takes
+  # (1 + 1) / 0.01 = 200; draining it leaves (6 + 1) / 1 = 7.
+  widths = (0, 2, 4, 6, 8)
+  assert layout_lib.bucketed_counts(12, (1, 1, 0.01), widths, offset=1, minimum=0) == (6, 6, 0)
+  kept = layout_lib.bucketed_counts(12, (1, 1, 0.01), widths, offset=1)
+  assert min(kept) >= 1 and sum(kept) == 12
+  # Equal speeds drain nobody.
+  assert layout_lib.bucketed_counts(12, (1, 1, 1), widths, minimum=0) == (4, 4, 4)
+
+
+def test_a_drained_device_does_not_count_in_the_cost_model():
+  cost = cost_lib.CostModel({"mlp": 1.0, "heads": 1.0}, {"mlp": (0, 4, 8), "heads": (0, 1, 2)},
+                            {"mlp": 8, "heads": 2}, repeat=0.25)
+  drained = ctl.Setup.of({"mlp": (4, 4, 0), "heads": (1, 1, 0)})
+  assert cost_lib.busy(drained).tolist() == [True, True, False]
+  # Devices 0 and 1: (5 / 10 + 0.25) / 1; device 2 neither works nor repeats at speed 0.01.
+  assert cost.critical(drained, (1, 1, 0.01)) == pytest.approx(0.5 + 0.25)
+  half = ctl.Setup.of({"mlp": (4, 4, 0), "heads": (1, 0, 1)})     # device 2 still computes a head
+  assert cost.critical(half, (1, 1, 0.01)) == pytest.approx((0.1 + 0.25) / 0.01)
+
+
+def drain_controller(policy="semi", widths=(0, 2, 4, 6, 8), **kw):
+  """3 devices, 12 MLP units and 6 heads in a bucket of capacity 8 / 4, repeated work 0.1."""
+  settings = settings_lib.BalanceSettings(policy=policy, **kw).validate(policies.REGISTRY)
+  owned = {"mlp": (4, 4, 4), "heads": (2, 2, 2)}
+  head_widths = (0, 1, 2, 3, 4) if 0 in widths else (1, 2, 3, 4)
+  cost = cost_lib.CostModel({"mlp": 1.0, "heads": 1.0}, {"mlp": widths, "heads": head_widths},
+                            {"mlp": 12, "heads": 6}, repeat=0.1, fit_repeat=False, move_s=0.1)
+  cost.observe(ctl.Setup.of(owned), (1, 1, 1), 1.0)
+  return ctl.Controller(policies.make(settings), settings, cost, ctl.Setup.of(owned),
+                        {"mlp": 8, "heads": 4})
+
+
+def test_semi_drains_a_failing_device_and_restores_it_when_it_recovers():
+  c = drain_controller(min_dwell_steps=0)
+  failing, well = (1.0, 1.0, 0.01), (1.0, 1.0, 1.0)
+  d = c.decide(0, failing, expected_s=100.0, step_s=1.0, new_regime=True)
+  assert d.choice == "migrate" and d.reason.startswith("drain device 2; ")
+  assert d.setup.owned == {"mlp": (6, 6, 0), "heads": (3, 3, 0)}
+  assert d.to_json()["drained"] == [2]
+  d = c.decide(1, failing, expected_s=100.0, step_s=1.0)
+  assert d.choice == "exact" and not d.changed and d.drained == [2]
+  d = c.decide(2, well, expected_s=100.0, step_s=1.0, new_regime=True)
+  assert d.moves and d.reason.startswith("restore device 2; ") and d.drained == []
+  assert d.setup.owned == {"mlp": (4, 4, 4), "heads": (2, 2, 2)}
+
+
+@pytest.mark.parametrize("policy, widths", [("semi", (2, 4, 6, 8)), ("offload", (0, 2, 4, 6, 8))])
+def test_without_the_width_zero_or_moves_nobody_is_drained(policy, widths):
+  c = drain_controller(policy, widths)
+  target = c.target_counts((1.0, 1.0, 0.01))
+  assert min(target["mlp"]) >= 1 and min(target["heads"]) >= 1
