@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import jax
 
+from semijax.core import barrier
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import executor as executor_lib
@@ -39,7 +40,12 @@ def _already_trained(run: config_lib.RunConfig, workdir: str) -> dict | None:
   """The summary of a run with nothing left to do (its workdir's newest intact checkpoint is of
   this model at config.steps or later), said on the console; None if there is training to do."""
   directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
+  found = os.path.isdir(directory)
+  # No process creates the folder (its trainer's checkpointer) before every process has looked:
+  # else one would open a checkpointer here that the others do not, and wait alone at its
+  # barrier.
+  barrier.wait_for_all("looked for a finished run")
+  if not found:
     return None
   ckpt = checkpoint_lib.Checkpointer(directory, keep=run.keep_checkpoints)
   try:
