@@ -214,10 +214,9 @@ class Controller:
     choice, reason = self.policy.choose(self, options)
     new = cands.get(choice, self.setup)    # the same candidate may adjust its keep ratios
     moves = new.owned != self.setup.owned
-    if moves:
-      reason = _drains(self.setup, new) + reason
     changed = new != self.setup
     if moves:
+      reason = _drains(self.setup, new) + reason
       self.last_move_step = step
     if changed and self._streak[0] == choice:
       self._streak = (None, 0)

@@ -100,6 +100,12 @@ def busy(setup: Setup) -> np.ndarray:
   return np.any([np.asarray(c) > 0 for c in setup.computed.values()], axis=0)
 
 
+def _critical_loads(work: np.ndarray, speeds: np.ndarray, computes: np.ndarray, repeat):
+  """max over the last axis (devices) of (work + repeat) / speeds where `computes`, else 0:
+  work, speeds, computes [..., N], broadcast against `repeat` (a scalar, or [R, 1, 1])."""
+  return np.max(np.where(computes, (work + repeat) / speeds, 0.0), axis=-1)
+
+
 class CostModel:
   """Predicts step seconds of a `Setup` at given speeds (see module doc).
 
@@ -233,8 +239,8 @@ class CostModel:
     calibrated `repeat`."""
     return self._critical(self.work(setup), np.asarray(speeds, np.float64), busy(setup))
 
-  def _critical(self, work: np.ndarray, speeds: np.ndarray, busy: np.ndarray) -> float:
-    return float(np.max(np.where(busy, (work + self.repeat) / speeds, 0.0)))
+  def _critical(self, work: np.ndarray, speeds: np.ndarray, computes: np.ndarray) -> float:
+    return float(_critical_loads(work, speeds, computes, self.repeat))
 
   def offload_bytes(self, setup: Setup, unit_bytes: dict) -> float:
     """Bytes sent per step for offloaded units: their weights out and gradients back."""
@@ -330,8 +336,8 @@ class CostModel:
     if n < MIN_FIT_SAMPLES:
       return [None] * len(repeats)
     # x [R, S]: each remembered step's critical load with each repeat.
-    x = np.max(np.where(self._busy[None], (self._work[None] + repeats[:, None, None])
-                        / self._speeds[None], 0.0), axis=-1)
+    x = _critical_loads(self._work[None], self._speeds[None], self._busy[None],
+                        repeats[:, None, None])
     mx, my = x @ w / n, (w * y).sum() / n
     var, vary = ((x - mx[:, None]) ** 2) @ w / n, (w * (y - my) ** 2).sum() / n
     cov = (x - mx[:, None]) @ (w * (y - my)) / n
