@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from semijax.core import engine_state
 from semijax.core import mesh as mesh_lib
 from semijax.core import plan as plan_lib
+from semijax.core import repeated
 from semijax.core import resize as resize_lib
 from semijax.core import sharding
 
@@ -39,10 +40,21 @@ class StepFunctions:
     self.axes, self.unit_sizes, self.mesh, self.tx = axes, unit_sizes, mesh, tx
     self.trace_count = 0     # traces of the train and eval steps
 
-  def _local_terms(self, params, batch, plan):
+  def _model_terms(self, params, batch, plan) -> dict:
+    """This device's loss terms on its rows of `batch`, invariant over `tensor`; under a plan
+    that may drain a device, a drained device skips the head and the loss (`core.repeated`)."""
     model = nnx.merge(self.graphdef, params)
-    terms = self.loss_terms(model(batch[self.input_key], plan), batch)
-    return jax.lax.psum(terms, mesh_lib.DATA)
+    inputs = batch[self.input_key]
+    if not repeated.drains(plan):
+      return self.loss_terms(model(inputs, plan), batch)
+    x = model.encoder.run_blocks(model.stem(inputs), plan)
+    graphdef, head, rest = nnx.split(
+        model, nnx.Any(*(nnx.PathContains(p) for p in model.head_paths)), ...)
+    terms = lambda x, head: self.loss_terms(nnx.merge(graphdef, head, rest).head_out(x), batch)
+    return repeated.head_terms(terms, x, head, plan)
+
+  def _local_terms(self, params, batch, plan):
+    return jax.lax.psum(self._model_terms(params, batch, plan), mesh_lib.DATA)
 
   def _sharded(self, fn, out_specs, params, batch, plan):
     in_specs = (sharding.specs(self.axes), jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
@@ -69,9 +81,7 @@ class StepFunctions:
                 plan_lib.plan_specs(plan))
 
     def local(params, batch, plan):
-      params = jax.tree.map(lambda x: x[0], params)
-      terms = self.loss_terms(nnx.merge(self.graphdef, params)(batch[self.input_key], plan),
-                              batch)
+      terms = self._model_terms(jax.tree.map(lambda x: x[0], params), batch, plan)
       return jax.tree.map(lambda t: jnp.reshape(t, (1,)), terms)
 
     def losses(stacked_params):

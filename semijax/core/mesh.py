@@ -127,3 +127,18 @@ def put(x, mesh: jax.sharding.Mesh, spec: jax.sharding.PartitionSpec) -> jax.Arr
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, jax.sharding.NamedSharding(mesh, spec),
                                       lambda index: x[index])
+
+
+def varying_axes(x) -> frozenset:
+  """Inside shard_map: the mesh axes over which `x` is typed as varying (check_vma)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)            # jax >= 0.11; 0.10 keeps it in aval.mat.varying
+  if vma is None:
+    vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+  return frozenset(vma)
+
+
+def vary(x, axes) -> jax.Array:
+  """`x` typed as varying over the mesh axes `axes`, casting only over those it lacks."""
+  missing = tuple(a for a in axes if a not in varying_axes(x))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x

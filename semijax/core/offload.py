@@ -262,13 +262,7 @@ def _varying(x):
   replicated x sits inside each branch, its transpose (the all-reduce of dx) lands inside the
   transposed branches, and devices that take a branch without it deadlock in the rendezvous.
   """
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)           # jax >= 0.11; 0.10 keeps it in aval.mat.varying
-  if vma is None:
-    vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
-  if TENSOR in vma:
-    return x
-  return jax.lax.pcast(x, TENSOR, to="varying")
+  return mesh_lib.vary(x, (TENSOR,))
 
 
 def _ppermute(x, perm):

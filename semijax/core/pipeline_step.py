@@ -22,23 +22,9 @@ DATA, PIPE, TENSOR = mesh_lib.DATA, mesh_lib.PIPE, mesh_lib.TENSOR
 SHARED, STACK = pipeline_model.SHARED, pipeline_model.STACK
 
 
-def _vary(x, axes):
-  """`x` typed as varying over `axes` (shard_map's check_vma), casting only what it lacks."""
-  aval = jax.typeof(x)
-  have = getattr(aval, "vma", None)
-  if have is None:
-    have = getattr(getattr(aval, "mat", None), "varying", frozenset())
-  missing = tuple(a for a in axes if a not in have)
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _invariant_over_tensor(x):
   """`x`, equal on every tensor device, typed as such (pmax is exact on equal values)."""
-  aval = jax.typeof(x)
-  have = getattr(aval, "vma", None)
-  if have is None:
-    have = getattr(getattr(aval, "mat", None), "varying", frozenset())
-  return jax.lax.pmax(x, TENSOR) if TENSOR in have else x
+  return jax.lax.pmax(x, TENSOR) if TENSOR in mesh_lib.varying_axes(x) else x
 
 
 class PipeStep:
@@ -86,8 +72,8 @@ class PipeStep:
                          kernel=self.kernel)
     count = pplan.layers.reshape(())
     table = jnp.take(pplan.table[0], s, axis=1)                         # [T, 2]
-    shared = jax.tree.map(lambda x: _vary(x, (DATA, PIPE)), params[SHARED])
-    stack = jax.tree.map(lambda x: _vary(x, (DATA,)), params[STACK])
+    shared = jax.tree.map(lambda x: mesh_lib.vary(x, (DATA, PIPE)), params[SHARED])
+    stack = jax.tree.map(lambda x: mesh_lib.vary(x, (DATA,)), params[STACK])
     pick = lambda m: jax.tree.map(lambda x: x[jnp.maximum(m, 0)], mbs)
 
     def zero_terms(ref):
@@ -105,7 +91,7 @@ class PipeStep:
       return h, terms
 
     stem = self.model.shared_model(shared).stem
-    probe = _vary(jnp.zeros_like(stem(pick(0)[self.model.input_key])), (DATA, PIPE))
+    probe = mesh_lib.vary(jnp.zeros_like(stem(pick(0)[self.model.input_key])), (DATA, PIPE))
     # Stash slots: the most microbatches a stage holds between ticks (at least the one a
     # single stage's backward reads in its forward's tick).
     slots = max(1, int(schedule_lib.in_flight(np.asarray(schedule_lib.table(

@@ -1,0 +1,90 @@
+"""A drained device skips the work every tensor device repeats (`core.repeated`).
+
+  * under a plan that may drain, a toy head runs only on the busy devices (a debug callback
+    records who ran it), and the loss and gradients are the dense ones, for any set of drained
+    devices; under a plan that cannot drain, every device runs it;
+  * in the engine, a layout compiled with the width 0 (the draining path) trains exactly like the
+    same layout compiled without it: same loss and gradients.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import helpers as H
+from semijax.core import layout as L
+from semijax.core import mesh as mesh_lib
+from semijax.core import plan as plan_lib
+from semijax.core import repeated
+
+DATA, N = 2, 4
+
+
+def _toy(counts, widths):
+  """(loss, (dW, dx), devices that ran the head) of a toy head through `head_terms`."""
+  mesh = mesh_lib.make_mesh(DATA, N)
+  ran = []
+  record = lambda i: ran.append(int(i))
+  put = lambda a: mesh_lib.put(np.asarray(a, np.int32), mesh, P(mesh_lib.TENSOR))
+  plan = plan_lib.Plan({"mlp": put(counts)}, (("mlp", widths),))
+
+  def head(x, w):
+    jax.debug.callback(record, jax.lax.axis_index(mesh_lib.TENSOR))
+    y = jnp.tanh(x @ w)
+    return {"loss_sum": jnp.sum(y ** 2), "count": jnp.float32(y.size)}
+
+  def local(x, w, plan):
+    x = jnp.sin(x)                                 # replicated work before the head
+    terms = repeated.head_terms(head, x, w, plan)
+    return jax.lax.psum(terms, mesh_lib.DATA)
+
+  def loss(w, x):
+    terms = jax.shard_map(local, mesh=mesh, in_specs=(P(mesh_lib.DATA), P(), plan_lib.plan_specs(
+        plan)), out_specs=P())(x, w, plan)
+    return terms["loss_sum"] / terms["count"]
+
+  w = jax.random.normal(jax.random.key(0), (8, 5))
+  x = jax.random.normal(jax.random.key(1), (6, 8))
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, x)
+  jax.effects_barrier()
+  return value, grads, ran, (w, x)
+
+
+@pytest.mark.parametrize("counts", [(2, 0, 1, 1), (0, 0, 0, 4), (1, 1, 1, 1)])
+def test_only_busy_devices_run_the_head_and_the_gradients_are_dense(counts):
+  value, grads, ran, (w, x) = _toy(counts, (0, 1, 2, 4))
+  dense = lambda w, x: jnp.mean(jnp.tanh(jnp.sin(x) @ w) ** 2)
+  ref_value, ref_grads = jax.value_and_grad(dense, argnums=(0, 1))(w, x)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+  busy = [d for d, c in enumerate(counts) if c > 0]
+  assert sorted(ran) == sorted(busy * DATA)
+
+
+def test_every_device_runs_the_head_under_a_plan_that_cannot_drain():
+  _, _, ran, _ = _toy((2, 2, 2, 2), (1, 2, 4))
+  assert sorted(ran) == sorted(list(range(N)) * DATA)
+
+
+def test_the_draining_path_trains_like_the_plain_one():
+  eng = H.make_engine("gpt", 1, N)
+  counts = {"mlp": (20, 10, 10, 8), "heads": (3, 2, 2, 1)}
+  capacity = {"mlp": 24, "heads": 4}
+
+  def layout(zero):
+    return L.Layout(**{k: L.UnitLayout.from_counts(
+        k, c, capacity=capacity[k], widths=L.default_widths(capacity[k], 3, zero=zero))
+        for k, c in counts.items()})
+
+  state = eng.to_padded(eng.init_logical(0), layout(False))
+  batch = eng.shard_batch(H.make_batch("gpt"))
+  plans = [eng.plan(layout(zero)) for zero in (False, True)]
+  assert [repeated.drains(p) for p in plans] == [False, True]
+  (value, _), (drain_value, _) = [eng.loss(state.params, batch, p) for p in plans]
+  grads = [jax.jit(jax.grad(lambda s, p: eng.loss(s, batch, p)[0]))(state.params, p)
+           for p in plans]
+  assert float(drain_value) == pytest.approx(float(value), rel=1e-6)
+  H.assert_trees_close(grads[1], grads[0], atol=1e-6)
