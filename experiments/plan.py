@@ -20,8 +20,10 @@ and --inter as LATENCY_S,BYTES_PER_S, or R x R matrices as rows separated by ';'
 (--region_latency_s='1e-5,2e-2;2e-2,1e-5').
 
 The plan is printed readably (devices per stage, layers, unit splits, microbatches, the step's
-parts) and written to --out: the plan's fields at the top level (what `config.plan = PATH`
-loads), with the request, model, cluster and planner time beside them; --baselines adds the
+parts; a plan that leaves devices idle lists them with their speeds on a line
+`idle devices: ...` after the mesh) and written to --out: the plan's fields at the top level
+(what `config.plan = PATH` loads; `idle` lists the devices left out), with the request, model,
+cluster and planner time beside them; --baselines adds the
 Megatron-style, even-pipeline and compute-only plans (`semijax.planner.baselines`) and their
 predicted steps.
 """
@@ -187,7 +189,7 @@ def main(argv):
     seconds = time.perf_counter() - start
     print(f"{cluster.num_devices} devices in {len(set(cluster.regions.tolist()))} regions, "
           f"{len(set(cluster.classes().tolist()))} device classes; planned in {seconds:.2f} s")
-    print(plan_lib.describe(plan, cluster.regions, _PIPELINES.value))
+    print(plan_lib.describe(plan, cluster.regions, _PIPELINES.value, cluster.speeds))
     out = {**plan.to_dict(), "planner_s": seconds, "model": costs.to_dict(),
            "request": {"global_batch": batch, "microbatch_sizes": sizes, "schedules": schedules,
                        "syncs": list(_SYNCS.value), "method": _METHOD.value},

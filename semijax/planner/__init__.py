@@ -1,9 +1,9 @@
 """The partition and placement planner of HarmonyTrain's PatchPipe (docs/pipeline.md).
 
-From the model's costs, device speeds and memory and a link matrix, it chooses the mesh
-(data x pipe x tensor), the device at every position, the layers per stage, the units per
-tensor position, the microbatches per pipeline, the microbatch size, schedule and sync mode,
-with the predicted step time.
+From the model's costs, device speeds and memory and a link matrix, it chooses the devices to
+use (leaving the others idle where that is faster), the mesh (data x pipe x tensor), the device
+at every position, the layers per stage, the units per tensor position, the microbatches per
+pipeline, the microbatch size, schedule and sync mode, with the predicted step time.
 
   cluster    devices, memory, links; builders from regions; interchangeable device classes
   costs      the model's FLOPs and parameters per unit, layer and edge

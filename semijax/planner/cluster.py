@@ -287,13 +287,20 @@ class Cluster:
   def group_link(self, devices) -> tuple[float, float]:
     """(latency, bandwidth) of the slowest link among `devices`: the largest latency and the
     smallest bandwidth over their pairs ((0, inf) for one device)."""
-    d = np.asarray(devices, np.int64)
-    if d.size < 2:
-      return 0.0, np.inf
-    lat = self.latency_s[np.ix_(d, d)]
-    bw = self.bandwidth[np.ix_(d, d)]
-    off = ~np.eye(d.size, dtype=bool)
-    return float(lat[off].max()), float(bw[off].min())
+    lat, bw = self._pair_links(devices)
+    return (float(lat.max()), float(bw.min())) if lat.size else (0.0, np.inf)
+
+  def fastest_link(self, devices) -> tuple[float, float]:
+    """(latency, bandwidth) no link among `devices` beats: the smallest latency and the largest
+    bandwidth over their pairs ((0, inf) for one device)."""
+    lat, bw = self._pair_links(devices)
+    return (float(lat.min()), float(bw.max())) if lat.size else (0.0, np.inf)
+
+  def _pair_links(self, devices) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, bandwidth) float [pairs] of every ordered pair of distinct `devices`."""
+    d = np.asarray(devices, np.int64).reshape(-1)
+    rows, cols = np.nonzero(~np.eye(d.size, dtype=bool))
+    return self.latency_s[d[rows], d[cols]], self.bandwidth[d[rows], d[cols]]
 
   def to_dict(self) -> dict:
     return {"speeds": self.speeds.tolist(), "memory": self.memory.tolist(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -215,6 +216,34 @@ def lower_bound(gc: GridCosts, costs: costs_lib.ModelCosts, num_microbatches: in
   if sync:
     ones = np.ones(gc.grid.shape[1])
     bound += float(gc.data_allreduce_s(gc.param_counts(ones, costs)))
+  return bound
+
+
+def mesh_bound(costs: costs_lib.ModelCosts, shape, tokens: int, num_microbatches: int,
+               speed: float, link: tuple[float, float], sync: bool) -> float:
+  """Seconds no plan with mesh `shape` (R, S, N) beats on devices whose speeds sum to `speed`
+  and whose fastest link is `link` (the least latency, the most bandwidth), whatever the grid.
+
+  `lower_bound` with each part at its least: a layer on the tensor group of (d, p) takes
+  c_dp >= W / V_dp (W: one layer's forward compute at speed 1, every unit once; V_dp: the
+  group's summed speed) and a_dp >= a, the all-reduce over `link`; 1 / w_dp <= V_dp / (4 W +
+  6 a V_dp) is concave in V_dp and the groups' speeds sum to V, so sum_{d, p} 1 / w_dp <=
+  V / (4 W + 6 a V / (R S)): the step is at least M L (4 W / V + 6 a / (R S)). For sync, plus
+  the gradient all-reduces over `link` of the fewest parameters a position holds (ceil(L / S)
+  layer slots of ceil(units / N) units of each kind, and the replicated ones).
+  """
+  r_, s_, n_ = shape
+  unit_s = costs.unit_s(tokens)
+  layer_s = sum(unit_s[k] * costs.num_units[k] for k in costs.kinds)
+  a = schedule_lib.allreduce_s(costs.activation_bytes(tokens), n_, *link)
+  bound = num_microbatches * costs.num_layers * (4.0 * layer_s / speed + 6.0 * a / (r_ * s_))
+  if sync:
+    shared = costs.first_params + costs.last_params
+    per_layer = costs.layer_params + sum(costs.unit_params[k] * math.ceil(costs.num_units[k] / n_)
+                                         for k in costs.kinds)
+    params = math.ceil(costs.num_layers / s_) * per_layer + shared
+    bound += (schedule_lib.allreduce_s(costs.nbytes.grad * params, r_, *link)
+              + schedule_lib.allreduce_s(costs.nbytes.grad * shared, s_, *link))
   return bound
 
 

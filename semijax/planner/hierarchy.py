@@ -21,13 +21,24 @@ partition starts from the min-max partition for the slowest replica of each stag
 layout, microbatch size, schedule and sync mode are then improved by moving one layer at a time
 between stages while the predicted step falls (between any two stages for up to 6 stages,
 else between neighbours and from the busiest stage). Units and microbatch splits follow the
-planner's exact rules. Nothing here is exhaustive: on clusters small enough, `exact.search`
+planner's exact rules.
+
+Devices may be left idle. The search above runs first on every device, then on the devices left
+after taking out the slowest (`device_sets`: devices of equal speed and memory leave together,
+the slowest first), laid along the same path less those devices, with the best plan so far to
+beat. A set is searched only if a `glance` at it (one entry of each of its `REFINED` most
+promising meshes) already finds a faster plan, and `PATIENCE` sets in a row that find none end
+the search: a failing device (a small fraction of the others' speed, or too little memory) is
+left out at the cost of about one more search, while where every device helps the glances cost
+little. Nothing here is exhaustive: on clusters small enough, `exact.search`
 improves on it (seeded with its result).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+from typing import Iterator
 
 import numpy as np
 
@@ -44,6 +55,9 @@ REFINED = 6
 MAX_MOVES = 64
 # Up to this many stages the local search tries every move of a layer between two stages.
 ALL_PAIRS = 6
+# The search stops leaving out more devices after this many sets in a row that found nothing
+# faster.
+PATIENCE = 2
 
 
 def region_path(cluster: cluster_lib.Cluster, nbytes: float) -> list[int]:
@@ -142,30 +156,97 @@ def improve(gc: evaluate.GridCosts, req: request_lib.Request, cand: request_lib.
                                cand.microbatch_size, cand.schedule, cand.sync)
 
 
+def device_sets(cluster: cluster_lib.Cluster) -> Iterator[np.ndarray]:
+  """int [k] device ids: every device, then without the slowest: the devices of equal speed and
+  memory leave together, the slowest (then those with the least memory) first, until one such
+  group is left."""
+  _, kind = np.unique(np.stack([cluster.speeds, cluster.memory], axis=1), axis=0,
+                      return_inverse=True)
+  kind = kind.reshape(-1)
+  for j in range(int(kind.max()) + 1):
+    yield np.flatnonzero(kind >= j)
+
+
+def starts(req: request_lib.Request, path: np.ndarray,
+           limit: float = np.inf) -> list[tuple[evaluate.GridCosts, request_lib.Candidate]]:
+  """The `REFINED` best starting (grid costs, candidate) pairs, fastest first, on the devices of
+  `path`, laid out along it, among those whose bound is under `limit`.
+
+  Best first: meshes by `Request.mesh_bounds`, each opened into its (layout, microbatch size,
+  sync mode) entries, bounded by `evaluate.lower_bound`, when it comes first; entries priced
+  (from `starting_layers`) in order of their bound, until the bound reaches `limit` or the
+  `REFINED`-th best start."""
+  tie = itertools.count()
+  queue = [(bound, next(tie), shape, None) for shape, bound in req.mesh_bounds(path).items()]
+  heapq.heapify(queue)
+  found = []
+  while queue:
+    bound, _, shape, entry = heapq.heappop(queue)
+    if bound >= limit or (len(found) >= REFINED and bound >= found[REFINED - 1][0]):
+      break
+    if entry is None:
+      for grid in layouts(path, shape):
+        for gc, mb, sync, grid_bound in request_lib.bounded(req, grid, shape[0]):
+          heapq.heappush(queue, (grid_bound, next(tie), shape, (gc, mb, sync)))
+      continue
+    for cand in priced(req, *entry):
+      found.append((cand.value, len(found), entry[0], cand))
+    found.sort(key=lambda x: x[:2])
+  return [(gc, cand) for _, _, gc, cand in found[:REFINED]]
+
+
+def priced(req: request_lib.Request, gc: evaluate.GridCosts, microbatch_size: int,
+           sync: str) -> list[request_lib.Candidate]:
+  """The cheapest `starting_layers` candidate of an entry under each schedule (those that fit)."""
+  parts = starting_layers(gc, req.costs.num_layers)
+  out = [request_lib.cheapest(req, gc, parts, microbatch_size, sched, sync)
+         for sched in req.schedules]
+  return [c for c in out if c is not None]
+
+
+def glance(req: request_lib.Request, path: np.ndarray, limit: float) -> bool:
+  """Whether a quick look finds a plan on the devices of `path` faster than `limit`: of the
+  `REFINED` meshes of least bound (`Request.mesh_bounds`), each one's entry of least bound,
+  priced from `starting_layers`."""
+  meshes = sorted((bound, i, shape) for i, (shape, bound) in
+                  enumerate(req.mesh_bounds(path).items()) if bound < limit)
+  for _, _, shape in meshes[:REFINED]:
+    entries = [(bound, i, (gc, mb, sync)) for grid in layouts(path, shape)
+               for i, (gc, mb, sync, bound) in enumerate(request_lib.bounded(req, grid, shape[0]))]
+    bound, _, entry = min(entries, key=lambda x: x[:2])
+    if bound < limit and any(c.value < limit for c in priced(req, *entry)):
+      return True
+  return False
+
+
+def search_path(req: request_lib.Request, path: np.ndarray,
+                incumbent: request_lib.Candidate | None = None) -> request_lib.Candidate | None:
+  """The best candidate on the devices of `path` (the others idle), laid out along it, if it
+  beats `incumbent` (else None; None too if none fits in memory): the best `starts` (none whose
+  bound cannot beat `incumbent`), improved by `improve`."""
+  best = None
+  limit = np.inf if incumbent is None else incumbent.value
+  for gc, cand in starts(req, path, limit):
+    best = request_lib.better(best, improve(gc, req, cand) if gc.grid.shape[1] > 1 else cand)
+  return best if best is not None and best.value < limit else None
+
+
 def search(req: request_lib.Request) -> request_lib.Candidate | None:
   """The best candidate of the module doc's search (None if no plan fits in memory).
 
-  Every (mesh, layout, microbatch size, sync mode) is bounded first (`evaluate.lower_bound`)
-  and priced in order of its bound, until the bound reaches the `REFINED`-th best start."""
+  The devices are those of `device_sets` in turn, the rest idle. After the first, a set is
+  searched (`search_path`, with the best so far to beat) only if a `glance` at it finds a
+  faster plan; `PATIENCE` sets in a row that find none end the search."""
   path = device_path(req.cluster, req.costs.activation_bytes(req.tokens(
       req.microbatch_sizes[0])))
-  entries = []
-  for shape in req.factorizations():
-    for grid in layouts(path, shape):
-      for gc, mb, sync, bound in request_lib.bounded(req, grid, shape[0]):
-        entries.append((bound, len(entries), gc, mb, sync))
-  entries.sort(key=lambda x: x[:2])
-  starts = []
-  for bound, _, gc, mb, sync in entries:
-    if len(starts) >= REFINED and bound >= starts[REFINED - 1][0]:
+  best, misses = None, 0
+  for devices in device_sets(req.cluster):
+    used = path[np.isin(path, devices)]
+    found = None
+    if best is None or glance(req, used, best.value):
+      found = search_path(req, used, best)
+    misses = 0 if found is not None else misses + 1
+    best = found or best
+    if best is not None and misses == PATIENCE:
       break
-    parts = starting_layers(gc, req.costs.num_layers)
-    for sched in req.schedules:
-      cand = request_lib.cheapest(req, gc, parts, mb, sched, sync)
-      if cand is not None:
-        starts.append((cand.value, len(starts) + len(entries), gc, cand))
-        starts.sort(key=lambda x: x[:2])
-  best = None
-  for _, _, gc, cand in starts[:REFINED]:
-    best = request_lib.better(best, improve(gc, req, cand) if gc.grid.shape[1] > 1 else cand)
   return best

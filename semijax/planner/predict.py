@@ -34,6 +34,7 @@ unit_ms and parameter counts, `cluster` for speeds v, memory and links):
   memory          a device holds P + M + V bytes per parameter (the parameter and Adam's two
                   moments) and (in_flight[p] + 2) x tokens x d_model x A bytes of activations
                   (its stash, `core.schedule.in_flight`, and the two ppermute receive buffers).
+                  The plan's idle devices hold nothing and take no part in any of the above.
 
 Bytes per value (`costs.StateBytes`, all 4 in float32): A an activation (compute dtype), G a
 gradient and P a parameter (param_dtype), M and V Adam's first moment (optimizer.mu_dtype, or
@@ -46,6 +47,7 @@ numbers vectorized for the search.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -57,9 +59,18 @@ from semijax.planner import plan as plan_lib
 from semijax.sync import predict as sync_predict
 
 
+@functools.lru_cache(maxsize=256)
+def _table(schedule: str, num_stages: int, num_microbatches: int) -> np.ndarray:
+  """`core.schedule.table`, kept for the next plan of the same shape (read only)."""
+  tab = schedule_lib.table(schedule, num_stages, num_microbatches)
+  tab.flags.writeable = False
+  return tab
+
+
 def _check(plan: plan_lib.Plan, costs: costs_lib.ModelCosts, cluster: cluster_lib.Cluster):
   if plan.num_devices != cluster.num_devices:
-    raise ValueError(f"plan: places {plan.num_devices} devices, the cluster has "
+    idle = f" and leaves {len(plan.idle)} idle" if plan.idle else ""
+    raise ValueError(f"plan: places {plan.mesh_devices} devices{idle}, the cluster has "
                      f"{cluster.num_devices}")
   if sum(plan.stage_layers) != costs.num_layers:
     raise ValueError(f"plan.stage_layers: {plan.stage_layers} sum to {sum(plan.stage_layers)}, "
@@ -117,7 +128,7 @@ def predict(plan: plan_lib.Plan, costs: costs_lib.ModelCosts,
       if p < s_ - 1:
         send[p] = max(schedule_lib.send_s(act, cluster.latency_s[i, j], cluster.bandwidth[i, j])
                       for i, j in zip(devs, grid[d, p + 1]))
-    tab = schedule_lib.table(plan.schedule, s_, plan.microbatches[d])
+    tab = _table(plan.schedule, s_, plan.microbatches[d])
     f, b = schedule_lib.stage_seconds(plan.stage_layers, c, a, e)
     total = schedule_lib.step_time(tab, f, b, send, send)
     compute = schedule_lib.step_time(tab, f, b, 0 * send, 0 * send)

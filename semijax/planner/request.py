@@ -3,9 +3,9 @@
 A `Request` holds the model's costs, the cluster, the global batch (examples per step) and the
 choices the planner may take: microbatch sizes (examples; each must divide the global batch),
 pipeline schedules and data-parallel sync modes. A `Candidate` is a point of the plan space
-with its predicted seconds: a device grid [data, pipe, tensor], the layers per stage, the
-microbatch size, schedule and sync mode (the unit split and the microbatch split follow from
-them by the planner's rules).
+with its predicted seconds: a device grid [data, pipe, tensor] (of all the cluster's devices,
+or of some, the others left idle), the layers per stage, the microbatch size, schedule and sync
+mode (the unit split and the microbatch split follow from them by the planner's rules).
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ class Request:
   def num_devices(self) -> int:
     return self.cluster.num_devices
 
-  def factorizations(self) -> list[tuple[int, int, int]]:
-    """Every (data, pipe, tensor) with data * pipe * tensor = D, pipe <= layers, tensor <= the
-    fewest units of a kind, and data <= the most microbatches any microbatch size gives."""
-    n = self.num_devices
+  def factorizations(self, devices: int | None = None) -> list[tuple[int, int, int]]:
+    """Every (data, pipe, tensor) with data * pipe * tensor = `devices` (default: all D),
+    pipe <= layers, tensor <= the fewest units of a kind, and data <= the most microbatches
+    any microbatch size gives."""
+    n = self.num_devices if devices is None else devices
     most = self.global_batch // min(self.microbatch_sizes)
     out = []
     for tensor in range(1, n + 1):
@@ -74,6 +75,22 @@ class Request:
 
   def tokens(self, microbatch_size: int) -> int:
     return microbatch_size * self.costs.seq_len
+
+  def mesh_bounds(self, devices) -> dict[tuple[int, int, int], float]:
+    """{mesh: seconds no plan of that mesh on `devices` (device ids; the others idle) beats}
+    for every mesh of `factorizations(len(devices))` (`evaluate.mesh_bound`, at the best
+    microbatch size and sync mode)."""
+    devices = np.asarray(devices, np.int64).reshape(-1)
+    speed = float(self.cluster.speeds[devices].sum())
+    link = self.cluster.fastest_link(devices)
+
+    def bound(shape):
+      return min((evaluate.mesh_bound(self.costs, shape, self.tokens(mb), self.global_batch // mb,
+                                      speed, link, sync == "sync")
+                  for mb in self.microbatch_sizes if self.global_batch // mb >= shape[0]
+                  for sync in self.syncs), default=np.inf)
+
+    return {shape: bound(shape) for shape in self.factorizations(devices.size)}
 
   def with_cluster(self, cluster: cluster_lib.Cluster) -> "Request":
     return dataclasses.replace(self, cluster=cluster)

@@ -1,18 +1,21 @@
 """The partition and placement planner: the plan with the least predicted step time.
 
-`plan` searches (data, pipe, tensor), the device at every mesh position, the layers per stage,
-the microbatch size, the schedule and the sync mode; the units per tensor position are split in
-proportion to the slowest replica's device at that position, and the microbatches over the
-pipelines by the best split (faster pipelines take more). It always runs the hierarchical
-search (`hierarchy`), and on clusters small enough (at most `EXACT_WORK` grid and partition
-pairs before symmetries) the exact search (`exact`) seeded with its result, so that small
-plans are provably optimal under the time model (`predict`). `realize` turns a search candidate
-into a `Plan` and prices it with `predict`.
+`plan` searches which devices to use (the others are left idle where that is faster),
+(data, pipe, tensor), the device at every mesh position, the layers per stage, the microbatch
+size, the schedule and the sync mode; the units per tensor position are split in proportion to
+the slowest replica's device at that position, and the microbatches over the pipelines by the
+best split (faster pipelines take more). It always runs the hierarchical search (`hierarchy`),
+and on clusters small enough (at most `EXACT_WORK` grid and partition pairs before symmetries,
+over every choice of devices: `exact.work`) the exact search (`exact`) seeded with its result,
+so that small plans are provably optimal under the time model (`predict`). `realize` turns a
+search candidate into a `Plan` and prices it with `predict`.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
+
+import numpy as np
 
 from semijax import errors
 from semijax.core import schedule as schedule_lib
@@ -36,10 +39,11 @@ def realize(req: request_lib.Request, cand: request_lib.Candidate) -> plan_lib.P
   m_ = req.global_batch // cand.microbatch_size
   _, split = evaluate.best_split(gc, req.costs, cand.layers, cand.schedule, m_, cand.sync)
   r_, s_, n_ = cand.grid.shape
+  idle = np.setdiff1d(np.arange(req.num_devices), cand.grid)
   plan = plan_lib.Plan(data=r_, pipe=s_, tensor=n_, device_order=tuple(cand.grid.reshape(-1)),
                        stage_layers=cand.layers, stage_units=gc.units, microbatches=split,
                        microbatch_size=cand.microbatch_size, schedule=cand.schedule,
-                       sync=cand.sync)
+                       sync=cand.sync, idle=tuple(int(i) for i in idle))
   return predict_lib.with_prediction(plan, req.costs, req.cluster)
 
 

@@ -112,6 +112,20 @@ def test_canonical_grids_meet_every_orbit_once():
       assert sorted(canon) == sorted(every)          # each orbit exactly once
 
 
+def test_label_sets_meet_every_choice_of_devices_once():
+  rng = np.random.default_rng(3)
+  for _ in range(10):
+    n = int(rng.integers(1, 7))
+    labels = rng.integers(0, int(rng.integers(1, n + 1)), n)
+    sets = [tuple(s) for s in exact.label_sets(labels)]
+    every = {tuple(sorted(labels[list(c)])) for k in range(1, n + 1)
+             for c in itertools.combinations(range(n), k)}
+    assert len(sets) == len(every) and set(sets) == every
+    assert sets[0] == tuple(sorted(labels))                 # every device first
+    assert exact.num_label_sequences(labels).tolist() == [
+        len(set(itertools.permutations(labels, k))) for k in range(n + 1)]
+
+
 def test_tensor_positions_are_not_interchangeable():
   # Found by a longer random run: two replicas of a tensor group of 2, speeds (1, 0.5) in one
   # and (1, 1) in the other. Swapping the positions of the first replica alone changes which

@@ -222,6 +222,22 @@ def test_the_lower_bound_holds():
         assert evaluate.lower_bound(gc, req.costs, 24, sync == "sync") <= values.min() + 1e-12
 
 
+def test_the_mesh_bound_holds_on_any_devices():
+  # No grid of a mesh on any choice of devices has a lower bound (so a plan) under the mesh's.
+  rng = np.random.default_rng(2)
+  for trial in range(20):
+    req = random_request(rng, int(rng.choice([4, 6])), int(rng.integers(2, 6)))
+    devices = rng.permutation(req.num_devices)[:int(rng.integers(1, req.num_devices + 1))]
+    for shape, bound in req.mesh_bounds(devices).items():
+      for _ in range(3):
+        grid = rng.permutation(devices).reshape(shape)
+        for mb in req.microbatch_sizes:
+          gc = evaluate.GridCosts.of(grid, req.costs, req.cluster, req.tokens(mb))
+          for sync in req.syncs:
+            assert bound <= evaluate.lower_bound(gc, req.costs, req.global_batch // mb,
+                                                 sync == "sync") * (1 + 1e-12)
+
+
 def test_bad_plans_name_the_field():
   ok = dict(data=1, pipe=2, tensor=2, device_order=(0, 1, 2, 3), stage_layers=(1, 2),
             stage_units=({"mlp": (3, 1), "heads": (1, 1)}, {"mlp": (2, 2), "heads": (1, 1)}),

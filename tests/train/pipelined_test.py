@@ -129,7 +129,8 @@ def test_layer_capacity_sets_the_slots_every_stage_compiles():
 
 def test_device_memory_bounds_the_planner():
   """A bound just below the fastest plan's need makes the planner choose a plan that fits it
-  (slower); a bound nothing fits is refused. The bound counts 1e9 bytes per GB."""
+  (no faster: another plan may be as fast with less memory); a bound nothing fits is refused.
+  The bound counts 1e9 bytes per GB."""
   c = with_links(tiny(steps=2, plan="auto"))
   free = pipeline_setup.resolve_plan(config_lib.validate(c, 8), 8)
   bound = 0.999 * max(free.breakdown["memory_bytes"])
@@ -138,7 +139,7 @@ def test_device_memory_bounds_the_planner():
   assert max(bounded.breakdown["memory_bytes"]) <= bound
   assert bounded.breakdown["memory_use"] == pytest.approx(
       max(bounded.breakdown["memory_bytes"]) / bound)
-  assert bounded.predicted_s > free.predicted_s
+  assert bounded.predicted_s >= free.predicted_s
   c.hetero.device_memory_gb = 1e-7
   with pytest.raises(ConfigError, match=r"^cluster\.memory: no plan fits"):
     pipeline_setup.resolve_plan(config_lib.validate(c, 8), 8)
