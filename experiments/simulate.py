@@ -1,6 +1,6 @@
 r"""The simulated study: every policy on 64 to 4,096 devices in every straggler scenario.
 
-  python experiments/simulate.py                        # the full study (about 10 minutes here)
+  python experiments/simulate.py                        # the full study (about 14 minutes here)
   python experiments/simulate.py --sizes=64,256 --steps=300 --scenarios=persistent,bursts
 
 Runs `semijax.sim.study` on the --hardware profile of --constants (default the nominal
@@ -97,7 +97,7 @@ def main(argv):
     raise app.UsageError(f"--sizes: integers, got {_SIZES.value}") from None
   hw = hardware.load(_CONSTANTS.value).profile(_HARDWARE.value)
   t0 = time.perf_counter()
-  say = lambda r: print(f"[sim] {r['devices']:5d} {r['scenario']:10s} {r['policy']:8s} "
+  say = lambda r: print(f"[sim] {r['devices']:5d} {r['scenario']:14s} {r['policy']:8s} "
                         f"vs even {r['vs_even']:.2f}  vs ideal {r['vs_ideal']:.2f}  "
                         f"{r['migrations']:3d} migrations  {r['wall_s']:.1f} s", flush=True)
   result = study.run(hw, sizes=sizes, scenarios=_SCENARIOS.value, policies=_POLICIES.value,

@@ -6,14 +6,19 @@ v[r, s, t], one microbatch of a stage takes
 
   tau[r, s] = sum_{l, k} ( f_s * max_t c_k * w[k][s, t, l] / v[r, s, t]      (block compute)
                            + 2 * allreduce(tensor link) )                    (forward, backward)
-            + repeated_s[s] / min_t v[r, s, t]                               (norms, head, loss)
+            + repeated_s[s] / min_{t busy} v[r, s, t]                        (norms, head, loss)
             + boundary (activations to the next stage, over a pipe link)
 
-where c_k is a unit's forward + backward seconds at speed 1 (`Workload.unit_flops` x tokens /
-`Hardware.device_flops`) and f_s is the step variant's factor: 1 for the single-width step,
-1 + `branch_overhead` for the branched one, 1 + `resize_overhead` for the resized one,
-1 + `offload_overhead` for the offload one. On a host whose
-fake devices share `cores` cores a block takes at least its summed work over `cores`. Devices
+where a device is *busy* in stage s if it executes some unit there (w[k][s, t, l] > 0 for some
+k, l): a drained device (no units of any kind, `core.layout.Layout.drained`) neither computes
+blocks nor repeats the work every tensor device repeats (embedding, norms, head, loss, the
+optimizer update of the replicated parameters), so its speed leaves the step, as it leaves the
+library's cost model (`balance.cost.busy`). c_k is a unit's forward + backward seconds at
+speed 1 (`Workload.unit_flops` x tokens / `Hardware.device_flops`) and f_s is the step variant's
+factor: 1 for the single-width step, 1 + `branch_overhead` for the branched one,
+1 + `resize_overhead` for the resized one, 1 + `offload_overhead` for the offload one. On a host
+whose fake devices share `cores` cores a block takes at least its summed work over `cores`, and
+each busy device's copy of the repeated work and the update takes its turn. Devices
 that share physical cores (`Hardware.idle_speedup` a > 1: processes on the hyperthreads of one
 core) run the blocks' full-speed devices faster while others of them wait: with n devices of
 the tensor group at full speed and k of them still computing, each computes at min(a, n / k)
@@ -22,11 +27,12 @@ goes to the competitor when it waits), so an uneven split of uncontended devices
 than its slowest device's share says. A replica's step runs the microbatches through the
 stages (one forward-backward pipeline, GPipe / 1F1B: sum_s tau + (M - 1) max_s tau), then
 every device updates its state (the optimizer reads and writes the parameters and both moments
-at their stored dtypes, `Workload.nbytes`, at `memory_bytes_per_s`), plus `step_overhead_s`,
-plus `contention_wait_s` x (1 - the replica's slowest speed) (a process sharing its core with
-a competitor wakes up late from the step's collectives). The replicas are combined by a
-data-parallel strategy (`semijax.sim.strategies`): for synchronous data parallelism, the slowest
-replica plus a ring all-reduce of the gradients (in the parameters' dtype).
+at their stored dtypes, `Workload.nbytes`, at `memory_bytes_per_s`; the busy devices, at the
+slowest busy speed), plus `step_overhead_s`, plus `contention_wait_s` x (1 - the replica's
+slowest busy speed) (a process sharing its core with a competitor wakes up late from the step's
+collectives). The replicas are combined by a data-parallel strategy (`semijax.sim.strategies`):
+for synchronous data parallelism, the slowest replica plus a ring all-reduce of the gradients
+(in the parameters' dtype).
 
 Everything is numpy over [R, S, T, L] at once: one step of 4,096 devices costs well under a
 millisecond of host time. A model keeps the replica times of inputs it has seen
@@ -74,6 +80,14 @@ def shared_finish(per: np.ndarray, free: np.ndarray, speedup: float) -> np.ndarr
   rate = np.minimum(speedup, n / computing)
   shared = np.where(np.arange(t)[:, None] >= t - n, step / np.maximum(rate, 1e-30), 0.0)
   return np.maximum(shared.sum(axis=-2), np.where(free, 0.0, per).max(axis=-2))
+
+
+def busy_devices(widths: dict) -> np.ndarray:
+  """bool [S, T]: the devices that execute some unit in their stage, `widths` {kind: float
+  [S, T, L]} (the others are drained: no blocks, no repeated work). A stage in which nobody
+  would be busy counts every device busy."""
+  busy = np.any([np.asarray(w).max(axis=-1) > 0 for w in widths.values()], axis=0)
+  return busy | ~busy.any(axis=1, keepdims=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +149,6 @@ class StepModel:
                                 for i in range(s)])
     self.update_s = np.array([2 * workload.nbytes.state * p / hardware.memory_bytes_per_s
                               for p in self.params_per_device()])
-    if hardware.cores:        # fake devices on shared cores: each one's copy takes its turn
-      share = max(1.0, cluster.tensor / hardware.cores)
-      self.repeated_s = self.repeated_s * share
-      self.update_s = self.update_s * share
 
   def params_per_device(self) -> np.ndarray:
     """float [S]: the parameters one device of each stage holds (its share of the units at an
@@ -154,6 +164,14 @@ class StepModel:
       p += edges["last"] if i == self.cluster.pipe - 1 else 0
       out.append(p)
     return np.asarray(out, np.float64)
+
+  def core_share(self, busy: np.ndarray) -> np.ndarray:
+    """float [S]: how many turns each stage's repeated work and update take, `busy` bool [S, T]
+    the devices that execute some unit: on fake devices sharing `cores` cores each busy device's
+    copy takes its turn (busy devices / cores, at least 1); else 1."""
+    if not self.hw.cores:
+      return np.ones(busy.shape[0])
+    return np.maximum(1.0, busy.sum(axis=1) / self.hw.cores)
 
   def gradient_bytes(self) -> float:
     """Bytes of the gradients one device all-reduces over the replicas (the largest stage), in
@@ -218,13 +236,16 @@ class StepModel:
     f = self.factors(kinds)                                              # [S]
     blocks = self.block_seconds(widths, speeds)                          # [R, S]
     full, idle = self.idle_parts(widths, speeds, blocks)                 # [R, S] each
-    slowest = speeds.min(axis=2)                                         # [R, S]
-    tau = (f * blocks + self.allreduce_s * np.asarray(self.layers) + self.repeated_s / slowest
+    busy = busy_devices(widths)                                          # [S, T]
+    slowest = np.where(busy, speeds, np.inf).min(axis=2)                 # [R, S]
+    share = self.core_share(busy)                                        # [S]
+    repeated = self.repeated_s * share / slowest                         # [R, S]
+    tau = (f * blocks + self.allreduce_s * np.asarray(self.layers) + repeated
            + self.boundary_s)                                            # [R, S]
     m = self.workload.microbatches
     pipeline = tau.sum(axis=1) + (m - 1) * tau.max(axis=1)               # [R]
-    update = (self.update_s / slowest + extra_s).max(axis=1)             # [R]
-    wait = 1.0 - speeds.min(axis=(1, 2))                                 # [R]
+    update = (self.update_s * share / slowest + extra_s).max(axis=1)     # [R]
+    wait = 1.0 - slowest.min(axis=1)                                     # [R]
     replicas = pipeline + update + self.hw.step_overhead_s + self.hw.contention_wait_s * wait
     sync = cluster_lib.data_ring_s(self.cluster, self.hw, self.gradient_bytes(), link_factors)
     # What a fit of the constants needs: the slowest replica's terms by coefficient (exact for
@@ -232,7 +253,7 @@ class StepModel:
     r = int(np.argmax(replicas))
     scale = self.hw.device_flops * m
     by_kind = [sum(full[r, i] for i, k in enumerate(kinds) if k == kind) for kind in OVERHEADS]
-    compute = full[r].sum() + (self.repeated_s / slowest[r]).sum()
+    compute = full[r].sum() + repeated[r].sum()
     features = scale * np.array([1.0 / scale, compute, *by_kind, -(f * idle[r]).sum(),
                                  wait[r] / scale])
     replicas.setflags(write=False)

@@ -40,7 +40,8 @@ from semijax.sim import traces as traces_lib
 from semijax.sim import workload as workload_lib
 
 SIZES = (64, 256, 1024, 4096)
-SCENARIOS = ("none", "persistent", "bursts", "rotating", "fail_slow", "slow_link")
+SCENARIOS = ("none", "persistent", "bursts", "rotating", "fail_slow", "fail_slow_1pct",
+             "slow_link")
 # {column: (balancing policy, data-parallel strategy)}.
 COLUMNS = {"even": ("even", "sync"), "static": ("static", "sync"),
            "planner": ("static", "sync"), "resize": ("resize", "sync"),
@@ -80,12 +81,14 @@ def base_run(devices: int, scenario: str, hw: hardware_lib.Hardware, steps: int,
 
 def trace_for(run: simulator.Run, scenario: str, params: dict | None = None,
               seed: int = 0) -> traces_lib.Trace:
-  """The scenario's trace over twice the nominal length of the run."""
-  model = stepcost.StepModel(run.workload, run.cluster, run.hardware,
-                             strategies.make(run.strategy), run.layers)
+  """The scenario's trace over twice the nominal length of the run, on the run's replicas of
+  pipe x tensor devices."""
+  c = run.cluster
+  model = stepcost.StepModel(run.workload, c, run.hardware, strategies.make(run.strategy),
+                             run.layers)
   duration = 2.0 * run.steps * simulator.nominal_step_s(model)
-  return traces_lib.build(scenario, params, num_devices=run.cluster.devices,
-                          regions=run.cluster.regions, duration_s=duration, seed=seed)
+  return traces_lib.build(scenario, params, num_devices=c.devices, regions=c.regions,
+                          duration_s=duration, seed=seed, replica_devices=c.pipe * c.tensor)
 
 
 def oracle(run: simulator.Run, even: simulator.Result) -> tuple:

@@ -9,6 +9,9 @@ factors. A trace is written and read as JSON (`to_json`, `from_json`; the `repla
   {"unit": "s" | "step", "num_devices": D, "regions": G,
    "events": [[at, device, speed], ...], "link_events": [[at, region, factor], ...]}
 
+A scenario is built for a `Shape`: D devices in G regions, `replica_devices` per data-parallel
+replica (replica r holds ids [r x that, (r + 1) x that), as `cluster.Cluster` numbers them).
+
 Scenarios (`build(name, params, ...)`; each parameter has a default, `SCENARIOS[name]`):
 
   none        every device at speed 1.
@@ -27,6 +30,15 @@ Scenarios (`build(name, params, ...)`; each parameter has a default, `SCENARIOS[
               that last from tens of seconds to hours. A share of the devices starts to degrade at
               a random time in the first half of the run, its speed decaying linearly to `floor`
               over `decay_s`, and stays degraded.
+  fail_slow_1pct  a computation fail-slow at its extreme: a device that keeps running at 1% of
+              its speed (hardware slowdown under thermal throttling, a failing part), the case
+              draining a device is for. In a share of the data-parallel replicas one device each
+              (uniformly among the replica's devices) drops to `speed` at a random time in the
+              first `onset` of the run and stays there. Its `share` is of replicas, so 1/8 of the
+              study's replicas of 32 devices is fail_slow's 1/256 of the devices. One throttled
+              H100 of 16 cut an FSDP fine-tuning's throughput 5x (J. Zhang, "Impact of GPU
+              Thermal Throttling on LLM Training", Azure ND H100 v5); 1% is this project's
+              choice of the extreme.
   slow_link   FALCON's commonest and costliest cause, cross-node network congestion: the links of
               region 0 carry `factor` of their bandwidth from `start` to `end` (shares of the run).
               Needs a cluster with at least 2 regions for data-parallel traffic to cross it.
@@ -147,22 +159,44 @@ def _sorted_rows(rows, name: str, limit: int, positive: bool) -> np.ndarray:
 # --- scenarios ------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """The devices a scenario is built for: `num_devices` D in `regions` G, `replica_devices` per
+  data-parallel replica (contiguous ids; D when there is one replica)."""
+
+  num_devices: int
+  regions: int
+  replica_devices: int
+
+  def __post_init__(self):
+    r = self.replica_devices
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or self.num_devices % r:
+      raise ConfigError(f"sim.trace.replica_devices: {r!r} devices per replica do not divide "
+                        f"{self.num_devices} devices")
+
+  @property
+  def replicas(self) -> int:
+    return self.num_devices // self.replica_devices
+
+
 def _count(num_devices: int, share: float) -> int:
   return max(1, int(round(share * num_devices)))
 
 
-def _none(rng, n, regions, duration_s, p):
+def _none(rng, shape, duration_s, p):
   del rng, duration_s, p
-  return Trace(n, regions)
+  return Trace(shape.num_devices, shape.regions)
 
 
-def _persistent(rng, n, regions, duration_s, p):
+def _persistent(rng, shape, duration_s, p):
   del duration_s
+  n = shape.num_devices
   slow = rng.choice(n, _count(n, p["share"]), replace=False)
-  return Trace(n, regions, [[0.0, d, p["speed"]] for d in slow])
+  return Trace(n, shape.regions, [[0.0, d, p["speed"]] for d in slow])
 
 
-def _bursts(rng, n, regions, duration_s, p):
+def _bursts(rng, shape, duration_s, p):
+  n = shape.num_devices
   busy, mean_s = p["busy"], p["mean_s"]
   off_mean = mean_s * (1 - busy) / busy
   rows = []
@@ -172,10 +206,11 @@ def _bursts(rng, n, regions, duration_s, p):
       on = rng.exponential(mean_s)
       rows += [[t, d, p["speed"]], [t + on, d, 1.0]]
       t += on + rng.exponential(off_mean)
-  return Trace(n, regions, rows)
+  return Trace(n, shape.regions, rows)
 
 
-def _rotating(rng, n, regions, duration_s, p):
+def _rotating(rng, shape, duration_s, p):
+  n = shape.num_devices
   rows, current = [], list(rng.choice(n, _count(n, p["share"]), replace=False))
   t = 0.0
   while t < duration_s:
@@ -186,40 +221,52 @@ def _rotating(rng, n, regions, duration_s, p):
       rows.append([t, new, p["speed"]])
       current[i] = new
     t += p["period_s"]
-  return Trace(n, regions, rows)
+  return Trace(n, shape.regions, rows)
 
 
-def _fail_slow(rng, n, regions, duration_s, p):
+def _fail_slow(rng, shape, duration_s, p):
+  n = shape.num_devices
   rows = []
   steps = max(int(p["steps"]), 1)
   for d in rng.choice(n, _count(n, p["share"]), replace=False):
     onset = rng.uniform(0, 0.5 * duration_s)
     for i in range(1, steps + 1):
       rows.append([onset + p["decay_s"] * i / steps, d, 1.0 - (1.0 - p["floor"]) * i / steps])
-  return Trace(n, regions, rows)
+  return Trace(n, shape.regions, rows)
 
 
-def _slow_link(rng, n, regions, duration_s, p):
+def _fail_slow_1pct(rng, shape, duration_s, p):
+  rows = []
+  size = shape.replica_devices
+  for r in rng.choice(shape.replicas, _count(shape.replicas, p["share"]), replace=False):
+    device = r * size + int(rng.integers(size))
+    rows.append([rng.uniform(0, p["onset"] * duration_s), device, p["speed"]])
+  return Trace(shape.num_devices, shape.regions, rows)
+
+
+def _slow_link(rng, shape, duration_s, p):
   del rng
-  if regions < 2:
+  if shape.regions < 2:
     raise ConfigError("sim.scenario.slow_link: needs a cluster of at least 2 regions "
-                      f"(sim.cluster.regions = {regions})")
-  return Trace(n, regions, link_events=[[p["start"] * duration_s, 0, p["factor"]],
-                                        [p["end"] * duration_s, 0, 1.0]])
+                      f"(sim.cluster.regions = {shape.regions})")
+  return Trace(shape.num_devices, shape.regions,
+               link_events=[[p["start"] * duration_s, 0, p["factor"]],
+                            [p["end"] * duration_s, 0, 1.0]])
 
 
-def _replay(rng, n, regions, duration_s, p):
+def _replay(rng, shape, duration_s, p):
   del rng, duration_s
   if not p.get("path"):
     raise ConfigError("sim.scenario.replay.path: the trace file to replay is required")
   with open(p["path"]) as f:
-    return Trace.from_json(json.load(f), num_devices=n, regions=regions,
+    return Trace.from_json(json.load(f), num_devices=shape.num_devices, regions=shape.regions,
                            field=f"sim.scenario.replay({p['path']})")
 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-  """A scenario builder and its parameters' defaults (see module doc)."""
+  """A scenario's builder, `build(rng, shape: Shape, duration_s, params) -> Trace`, and its
+  parameters' defaults (see module doc)."""
 
   build: object
   defaults: dict
@@ -232,15 +279,17 @@ SCENARIOS = {
     "rotating": Scenario(_rotating, {"share": 1 / 512, "speed": 0.125, "period_s": 60.0}),
     "fail_slow": Scenario(_fail_slow, {"share": 1 / 256, "floor": 0.3, "decay_s": 120.0,
                                        "steps": 12}),
+    "fail_slow_1pct": Scenario(_fail_slow_1pct, {"share": 1 / 8, "speed": 0.01, "onset": 0.25}),
     "slow_link": Scenario(_slow_link, {"factor": 0.1, "start": 0.25, "end": 0.75}),
     "replay": Scenario(_replay, {"path": ""}),
 }
 
 
 def build(name: str, params: dict | None, *, num_devices: int, regions: int, duration_s: float,
-          seed: int = 0) -> Trace:
-  """The trace of scenario `name` with `params` over `duration_s` seconds (ConfigError naming a
-  bad scenario or parameter)."""
+          seed: int = 0, replica_devices: int | None = None) -> Trace:
+  """The trace of scenario `name` with `params` over `duration_s` seconds, for `num_devices`
+  in `regions` with `replica_devices` per data-parallel replica (default all: one replica);
+  ConfigError naming a bad scenario or parameter."""
   if name not in SCENARIOS:
     raise ConfigError(f"sim.scenario: {name!r} is not one of {list(SCENARIOS)}")
   s = SCENARIOS[name]
@@ -255,8 +304,9 @@ def build(name: str, params: dict | None, *, num_devices: int, regions: int, dur
       continue
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
       raise ConfigError(f"sim.scenario.{name}.{k}: must be a positive number, got {v!r}")
-    if k in ("share", "busy", "speed", "floor", "factor", "start", "end") and v > 1:
+    if k in ("share", "busy", "speed", "floor", "factor", "start", "end", "onset") and v > 1:
       raise ConfigError(f"sim.scenario.{name}.{k}: must be in (0, 1], got {v!r}")
   if not duration_s > 0:
     raise ValueError(f"duration_s must be positive, got {duration_s}")
-  return s.build(np.random.default_rng(seed), num_devices, regions, float(duration_s), p)
+  shape = Shape(num_devices, regions, num_devices if replica_devices is None else replica_devices)
+  return s.build(np.random.default_rng(seed), shape, float(duration_s), p)

@@ -15,6 +15,8 @@ from semijax.sim import cluster as cluster_lib
 from semijax.sim import hardware
 from semijax.sim import simulator
 from semijax.sim import stage as stage_lib
+from semijax.sim import stepcost
+from semijax.sim import strategies
 from semijax.sim import traces
 from semijax.sim import workload as workload_lib
 
@@ -53,6 +55,34 @@ def test_migrate_moves_work_off_the_straggler_and_beats_even():
   oracle = stage_lib.oracle_counts(workload().spec, [1, 0.25, 1, 1])
   static = simulator.simulate(run_of("static", counts=(oracle,)), slow_trace())
   assert static.tokens_per_s > mig.tokens_per_s * 0.95             # the oracle moves nothing
+
+
+def test_semi_drains_a_device_at_one_percent_and_runs_near_the_ideal():
+  # One tensor group of 8; device 3 drops to 1% at step 20 and stays there. 56 heads and 448 MLP
+  # units: the 7 others take exactly 8/7 of the even share, what the ideal (total work over total
+  # speed 7.01 / 8) charges them, and the repeated work runs at full speed. So once device 3 is
+  # drained a step takes at most the ideal's x (1 + branch_overhead) (the branched variant),
+  # plus the speed sample every probe_every steps: with 0.05, at least 1 / 1.05 of the ideal.
+  w = workload_lib.Workload.gpt(d_model=112, num_heads=56, d_ff=448, num_layers=2, seq_len=32,
+                                vocab_size=64, batch_per_replica=8)
+  c = cluster_lib.Cluster(1, 1, 8)
+  hw = dataclasses.replace(HW, branch_overhead=0.05)
+  trace = traces.Trace(8, 1, [[20, 3, 0.01]], unit="step")
+  runs = {p: simulator.simulate(simulator.Run(w, c, hw, settings_lib.BalanceSettings(
+      policy=p, num_widths=8, probe_every=2), 200), trace) for p in ("even", "semi")}
+  semi = runs["semi"]
+  assert semi.stages[0]["counts"] == {"mlp": [64, 64, 64, 0, 64, 64, 64, 64],
+                                      "heads": [8, 8, 8, 0, 8, 8, 8, 8]}
+  drain = semi.stages[0]["changes"][0]
+  assert drain["reason"].startswith("drain device 3; ") and 20 < drain["step"] <= 20 + 3 * 2
+  model = stepcost.StepModel(w, c, hw, strategies.make("sync"))
+  ideal_step = simulator.nominal_step_s(model) / (7.01 / 8)
+  after = semi.step_s[drain["step"] + 1:]
+  bound = 1 / (1 + hw.branch_overhead + hw.sample_s / 2 / ideal_step)
+  assert ideal_step * len(after) / after.sum() >= bound
+  # Before it: the few steps that wait for the device at 1%, about 70 ideal steps each (even).
+  even = runs["even"]
+  assert even.tokens_per_s < 0.02 * even.ideal_tokens_per_s < semi.tokens_per_s
 
 
 def test_bfloat16_storage_halves_what_a_migration_moves():

@@ -128,6 +128,33 @@ def test_a_slow_device_slows_its_blocks_and_the_repeated_work_only():
   assert slow - fast == pytest.approx(scaled, rel=1e-9)            # exactly those, twice as long
 
 
+@pytest.mark.parametrize("cores", [0, 2])
+def test_a_drained_devices_speed_leaves_the_step(cores):
+  # Device 2 owns nothing (a drained device): no blocks, no repeated work, no update, no wait.
+  # Its speed 0.01 then costs nothing, and on shared cores its copy of the repeated work and the
+  # update takes no turn: 3 busy devices on 2 cores, against 4 before.
+  w = small_workload(1)
+  c = cluster_lib.Cluster(2, 1, 4)
+  hw = dataclasses.replace(HW, cores=cores, contention_wait_s=0.02)
+  model = stepcost.StepModel(w, c, hw, strategies.make("sync"))
+  drained = {"mlp": np.array([[[32.0] * 4] * 2 + [[0.0] * 4] + [[32.0] * 4]]),
+             "heads": np.array([[[2.0] * 4] * 2 + [[0.0] * 4] + [[2.0] * 4]])}
+  speeds = np.ones((2, 1, 4))
+  failing = speeds.copy()
+  failing[1, 0, 2] = 0.01
+  full = model.step(drained, ["branched"], speeds, np.ones(1))
+  assert model.step(drained, ["branched"], failing, np.ones(1)).seconds == full.seconds
+  assert stepcost.busy_devices(drained).tolist() == [[True, True, False, True]]
+  assert model.core_share(stepcost.busy_devices(drained)).tolist() == [1.5 if cores else 1.0]
+  # The same work with device 2 keeping one unit of each kind: its speed counts again.
+  kept = {k: v.copy() for k, v in drained.items()}
+  kept["mlp"][0, 2], kept["heads"][0, 2] = 1.0, 1.0
+  slow = model.step(kept, ["branched"], failing, np.ones(1)).seconds
+  assert slow > 5 * model.step(kept, ["branched"], speeds, np.ones(1)).seconds
+  # Nobody drained: every device busy, the model as before (4 devices on 2 cores: 2 turns).
+  assert model.core_share(np.ones((1, 4), bool)).tolist() == [2.0 if cores else 1.0]
+
+
 def test_repeated_steps_reuse_their_terms_and_still_call_the_strategy():
   # `step` keeps the replica times of inputs it has seen: equal to a fresh model's, keyed by
   # value (an array changed in place is new input), and the strategy still sees every step.

@@ -25,3 +25,12 @@ def test_a_small_study_has_every_column_and_its_references():
   table = study.markdown(result)
   assert table.count("\n") == 2 + 2 and "semi+ssaw" in table
   assert f"| none | {', '.join(map(str, layers))} |" in study.layers_markdown(result)
+
+
+def test_the_studys_fail_slow_1pct_hits_one_device_in_its_replicas_of_pipe_x_tensor():
+  base = study.base_run(1024, "fail_slow_1pct", profiles.gpu_h100(0.03), steps=10)
+  trace = study.trace_for(base, "fail_slow_1pct")
+  replicas = trace.events[:, 1].astype(int) // (study.PIPE * study.TENSOR)
+  assert len(trace.events) == 4 == len(set(replicas.tolist()))          # 1/8 of 32 replicas
+  assert (trace.events[:, 2] == 0.01).all()
+  assert "fail_slow_1pct" in study.SCENARIOS

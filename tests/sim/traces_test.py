@@ -58,6 +58,27 @@ def test_fail_slow_decays_to_its_floor_and_stays():
     assert len(np.unique(s[:, d])) > 5                               # gradually
 
 
+def test_fail_slow_1pct_drops_one_device_per_affected_replica_and_stays():
+  # 32 replicas of 32 devices, a share 1/8 of them: 4 replicas, one device each at 0.01 from a
+  # time in the first quarter of the run on.
+  t = traces.build("fail_slow_1pct", None, num_devices=1024, regions=1, duration_s=100.0,
+                   seed=5, replica_devices=32)
+  s = speeds_over(t, np.arange(0.0, 100.0, 0.5)).reshape(-1, 32, 32)     # [time, replica, device]
+  assert set(np.unique(s).tolist()) == {0.01, 1.0}
+  assert (s[0] == 1.0).all()
+  slow = (s[-1] == 0.01).sum(axis=1)
+  assert sorted(slow.tolist()) == [0] * 28 + [1] * 4
+  assert (s[np.arange(0.0, 100.0, 0.5) >= 25.0] == s[-1]).all()          # from its onset on
+  onsets = t.events[:, 0]
+  assert len(onsets) == 4 and (onsets < 25.0).all()
+  # Few replicas: still one (shares round to at least one); one replica: all devices in it.
+  two = traces.build("fail_slow_1pct", None, num_devices=64, regions=1, duration_s=10.0,
+                     replica_devices=32)
+  assert len(two.events) == 1 and two.events[0, 2] == 0.01
+  one = traces.build("fail_slow_1pct", {"share": 1.0}, num_devices=8, regions=1, duration_s=1.0)
+  assert len(one.events) == 1
+
+
 def test_slow_link_cuts_region_bandwidth_in_its_window():
   t = traces.build("slow_link", {"factor": 0.1, "start": 0.25, "end": 0.75}, num_devices=8,
                    regions=2, duration_s=100.0)
@@ -98,10 +119,21 @@ def test_a_step_indexed_trace_follows_steps():
     ("persistent", {"speed": 2.0}, "sim.scenario.persistent.speed: must be in"),
     ("bursts", {"mean_s": -1.0}, "sim.scenario.bursts.mean_s: must be a positive"),
     ("replay", None, "sim.scenario.replay.path"),
+    ("fail_slow_1pct", {"speed": 0.0}, "sim.scenario.fail_slow_1pct.speed: must be a positive"),
+    ("fail_slow_1pct", {"share": 2.0}, "sim.scenario.fail_slow_1pct.share: must be in"),
+    ("fail_slow_1pct", {"onset": 1.5}, "sim.scenario.fail_slow_1pct.onset: must be in"),
+    ("fail_slow_1pct", {"floor": 0.3}, "sim.scenario.fail_slow_1pct.floor: unknown"),
 ])
 def test_bad_scenarios_are_refused_naming_the_field(name, params, field):
   with pytest.raises(ConfigError, match=field.replace("(", r"\(")):
     traces.build(name, params, num_devices=8, regions=1, duration_s=10.0)
+
+
+@pytest.mark.parametrize("replica_devices", [3, 0, 16])
+def test_replicas_that_do_not_divide_the_devices_are_refused(replica_devices):
+  with pytest.raises(ConfigError, match="sim.trace.replica_devices"):
+    traces.build("fail_slow_1pct", None, num_devices=8, regions=1, duration_s=10.0,
+                 replica_devices=replica_devices)
 
 
 def test_bad_trace_rows_are_refused():
