@@ -54,11 +54,14 @@ class Hetero:
     device_gflops: the emulated FLOP rate of a nominal device.
     rotate_every: steps between shifts of the profile by one device (0 = static): (8, 1, ..., 1)
       rotating is the authors' dynamic straggler.
+    repeated: also charge the work outside the blocks that every tensor device repeats, at the
+      slowest device that runs it (`Emulator.edge_ms`); False charges the blocks alone.
   """
 
   slowdown: tuple[float, ...] | None = None
   device_gflops: float = 2.0
   rotate_every: int = 0
+  repeated: bool = True
 
   def validate(self, num_devices: int) -> "Hetero":
     """Raises ConfigError naming the field unless this fits `num_devices` tensor devices."""
@@ -78,6 +81,8 @@ class Hetero:
     r = self.rotate_every
     if isinstance(r, bool) or not isinstance(r, int) or r < 0:
       raise ConfigError(f"{f}.rotate_every: must be an integer >= 0, got {r!r}")
+    if not isinstance(self.repeated, bool):
+      raise ConfigError(f"{f}.repeated: must be True or False, got {self.repeated!r}")
     return self
 
   def slowdown_at(self, step: int) -> tuple[float, ...] | None:
@@ -91,6 +96,15 @@ class Hetero:
     return tuple(np.roll(np.asarray(self.slowdown, float), shift).tolist())
 
 
+def emulator(hetero: Hetero, spec, tokens_per_device: int) -> "Emulator":
+  """The emulator of `hetero` for a model of spec `spec` (`core.spec.ModelSpec`) computing
+  `tokens_per_device` tokens a step: its blocks' units, and, with `hetero.repeated`, the work
+  every device repeats (`ModelSpec.edge_flops`)."""
+  ms = lambda flops: unit_ms(flops, tokens_per_device, hetero.device_gflops)
+  return Emulator(hetero, ms(spec.flops_per_unit()), ms(spec.edge_flops()) if hetero.repeated
+                  else {})
+
+
 @dataclasses.dataclass(frozen=True)
 class Emulator:
   """The emulated slowdown of a run (see module doc).
@@ -98,18 +112,27 @@ class Emulator:
   Attributes:
     hetero: the slowdown profile over time.
     unit_ms: {kind: emulated milliseconds per unit of executed width at slowdown 1} (`unit_ms`).
+    edge_ms: emulated milliseconds at slowdown 1 of the work outside the blocks that every
+      tensor device repeats (`unit_ms` of `ModelSpec.edge_flops`): {"first": the embedding, which
+      every device runs, "last": the final norm, the head and the loss, which a drained device
+      skips (`core.repeated`)}; {} charges none (replays of runs emulated without it).
   """
 
   hetero: Hetero
   unit_ms: dict
+  edge_ms: dict = dataclasses.field(default_factory=dict)
 
   def delay_s(self, step: int, executed: dict) -> float:
     """Seconds the slowest devices add to 0-based `step`, which executes `executed`
     ({kind: [N, L]} widths, `core.plan.executed_widths`): the sum over blocks of the largest
-    per-device time."""
-    slowdown = np.asarray(self.hetero.slowdown_at(step), np.float64)[:, None]
-    ms = sum(float((self.unit_ms[k] * np.asarray(e) * slowdown).max(axis=0).sum())
+    per-device time, plus the repeated work on the slowest device that runs it (a device that
+    executes nothing in any block is drained: it skips the head and the loss)."""
+    slowdown = np.asarray(self.hetero.slowdown_at(step), np.float64)
+    ms = sum(float((self.unit_ms[k] * np.asarray(e) * slowdown[:, None]).max(axis=0).sum())
              for k, e in executed.items())
+    busy = np.any([np.asarray(e).sum(axis=1) > 0 for e in executed.values()], axis=0)
+    ms += self.edge_ms.get("first", 0.0) * slowdown.max()
+    ms += self.edge_ms.get("last", 0.0) * slowdown[busy].max(initial=0.0)
     return ms / 1e3
 
   @staticmethod

@@ -235,7 +235,9 @@ def run_of(measured: dict, record: dict, hw: hardware_lib.Hardware, seed: int = 
   hetero = None
   if record.get("hetero") and record["hetero"].get("slowdown"):
     h = record["hetero"]
-    hetero = emulation.Hetero(tuple(h["slowdown"]), h["device_gflops"], h["rotate_every"])
+    # A record without `repeated` was emulated before the repeated work was charged.
+    hetero = emulation.Hetero(tuple(h["slowdown"]), h["device_gflops"], h["rotate_every"],
+                              h.get("repeated", False))
   counts = (record["layout"],) if record["policy"] == "static" and record["layout"] else None
   return simulator.Run(
       workload_of(s), cluster_lib.Cluster(s["mesh"]["data"], 1, s["mesh"]["tensor"]), hw,

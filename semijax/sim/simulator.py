@@ -187,8 +187,7 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
   if hw.emulated:
     if run.hetero is None or c.devices != c.tensor:
       raise ValueError("sim.hardware.emulated: replays one tensor group with its Hetero")
-    emulator = emulation.Emulator(run.hetero, emulation.unit_ms(
-        w.spec.flops_per_unit(), w.tokens_per_replica, run.hetero.device_gflops))
+    emulator = emulation.emulator(run.hetero, w.spec, w.tokens_per_replica)
   rng = np.random.default_rng(run.seed)
   trace.reset()
   s_, l_max = c.pipe, max(model.layers)

@@ -102,6 +102,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.hetero.rotate_every = 0        # Steps between shifts of the slowdown profile by one device
                                    # ((8,1,...,1) rotating = the authors' dynamic
                                    # straggler); 0 = static.
+  c.hetero.repeated = True         # Also emulate the work every tensor device repeats (the
+                                   # head and loss on the slowest device that runs them).
   c.hetero.replica_slowdown = ()   # Per data replica slowdown factors (x its tensor group's
                                    # emulated time); () = none. A sync step waits for the slowest.
   # Pipelined and planned runs: emulated devices and links (core.emulation.PipelineEmulator).
@@ -461,8 +463,8 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   except LayoutError as e:
     raise ConfigError(f"config.{e}") from None
   slowdown = parse_numbers(config.hetero.slowdown, "config.hetero.slowdown") or None
-  hetero = emulation.Hetero(slowdown, config.hetero.device_gflops,
-                            config.hetero.rotate_every).validate(mesh.tensor)
+  hetero = emulation.Hetero(slowdown, config.hetero.device_gflops, config.hetero.rotate_every,
+                            config.hetero.repeated).validate(mesh.tensor)
   resize = _resize(config.resize, mesh.tensor)
   balance = _balance(config, hetero, resize,
                      None if num_devices is None else jax.default_backend())

@@ -51,9 +51,7 @@ def build_emulator(run: config_lib.RunConfig) -> emulation.Emulator | None:
     factor = max(replicas) if run.sync.mode == "sync" else 1.0
     hetero = dataclasses.replace(hetero, slowdown=tuple(
         s * factor for s in (slowdown or (1.0,) * run.mesh.tensor)))
-  return emulation.Emulator(hetero, emulation.unit_ms(run.model.flops_per_unit(),
-                                                      step_tokens(run),
-                                                      run.hetero.device_gflops))
+  return emulation.emulator(hetero, run.model, step_tokens(run))
 
 
 def cached_engine(run: config_lib.RunConfig, cache: dict | None) -> engine_lib.Engine:

@@ -146,10 +146,17 @@ def test_an_emulated_replay_adds_the_library_emulators_sleep():
                                                  hardware=dataclasses.replace(hw, emulated=False)),
                              traces.Trace(4))
   w = workload()
-  emulator = emulation.Emulator(hetero, emulation.unit_ms(w.spec.flops_per_unit(),
-                                                          w.tokens_per_replica, 2.0))
   executed = {"mlp": np.full((4, 2), 64.0), "heads": np.full((4, 2), 2.0)}
-  assert np.allclose(emu.step_s - plain.step_s, emulator.delay_s(0, executed))
+  ms = lambda flops: emulation.unit_ms(flops, w.tokens_per_replica, 2.0)
+  # The blocks at the slowest device's 4x, and the repeated work (embedding, head and loss) too.
+  blocks = 2 * 4 * (64 * ms(w.spec.flops_per_unit())["mlp"]
+                    + 2 * ms(w.spec.flops_per_unit())["heads"])
+  edge = 4 * sum(ms(w.spec.edge_flops()).values())
+  assert np.allclose(emu.step_s - plain.step_s, (blocks + edge) / 1e3)
+  # A replay of a run emulated without the repeated work charges the blocks alone.
+  blocks_only = simulator.simulate(dataclasses.replace(
+      run, hetero=dataclasses.replace(hetero, repeated=False)), traces.Trace(4))
+  assert np.allclose(blocks_only.step_s - plain.step_s, blocks / 1e3)
 
 
 def test_simulations_are_deterministic_per_seed():
