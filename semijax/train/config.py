@@ -202,8 +202,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"  # Storage: the master weights the optimizer updates.
   c.model.attention = "auto"       # xla | cudnn | auto (cuDNN on a CUDA GPU in bf16/fp16).
   c.data = ml_collections.ConfigDict()
-  c.data.name = ""                 # gpt: "pydoc" | "stdlib" | "text_file"; vit: "digits" | "npy".
-  c.data.path = ""                 # text_file: a UTF-8 or binary file of training text.
+  c.data.name = ""                 # gpt: "pydoc" | "stdlib" | "text_file" | "tokens";
+                                   # vit: "digits" | "npy".
+  c.data.path = ""                 # text_file: a UTF-8 or binary file of training text;
+                                   # tokens: a path or glob of token shards (train.tokens).
+  c.data.val_path = ""             # tokens: validation shards; "" = the last val_fraction.
   c.data.images = ""               # npy: images [N, H, W(, C)].
   c.data.labels = ""               # npy: int labels [N].
   c.data.val_fraction = 0.1        # Held-out share for validation.

@@ -1,10 +1,11 @@
 """Deterministic training data that needs no download.
 
 Two kinds of data, both plain NumPy on the host:
-  * text for a byte-level GPT, batched by `TextDataset`: `pydoc_corpus()` (the help text that
-    ships with every Python, about 0.5 MB: enough for small models), `stdlib_corpus()` (the `.py`
-    sources of this Python's standard library, about 12 MB: enough for the default GPT's
-    validation batches) or any file (`read_text_file`);
+  * token ids for a GPT, batched by `TextDataset`: the bytes of a text, for a byte-level GPT
+    (`pydoc_corpus()`, the help text that ships with every Python, about 0.5 MB: enough for
+    small models; `stdlib_corpus()`, the `.py` sources of this Python's standard library, about
+    12 MB: enough for the default GPT's validation batches; or any file, `read_text_file`), or
+    token shards on disk, memory-mapped (`semijax.train.tokens`), for a GPT of their vocabulary;
   * images for a ViT classifier: scikit-learn's bundled 8x8 digits (`digits()`) or a pair of
     `.npy` files (`load_npy_images`), batched by `ImageDataset`.
 
@@ -30,8 +31,9 @@ import sysconfig
 import numpy as np
 
 from semijax.errors import ConfigError
+from semijax.train import tokens as tokens_lib
 
-TEXT_DATA = ("pydoc", "stdlib", "text_file")
+TEXT_DATA = ("pydoc", "stdlib", "text_file", "tokens")
 IMAGE_DATA = ("digits", "npy")
 MODELS = {"gpt": TEXT_DATA, "vit": IMAGE_DATA}
 
@@ -214,80 +216,125 @@ def _check_step(step) -> int:
 # --- text -----------------------------------------------------------------------------------
 
 
-class TextDataset:
-  """Byte-level language-model batches.
+def split_tail(parts, val_fraction: float) -> tuple[tuple, tuple]:
+  """Token parts (1-D arrays, in order) -> (train parts, val parts): the last round(total *
+  val_fraction) tokens of their concatenation validate, the rest train. Parts are sliced, never
+  copied (a memmap stays a memmap); empty slices are dropped."""
+  total = sum(len(p) for p in parts)
+  left = total - round(total * _check_fraction(val_fraction))   # training tokens still to take
+  train, val = [], []
+  for part in parts:
+    at = min(left, len(part))
+    left -= at
+    train.append(part[:at])
+    val.append(part[at:])
+  return tuple(p for p in train if len(p)), tuple(p for p in val if len(p))
 
-  The first (1 - val_fraction) of the bytes train, the rest validate. A training batch holds
-  `batch_size` windows of seq_len + 1 bytes at random starts in the train part; evaluation uses
-  `eval_batches` fixed batches of non-overlapping consecutive windows from the start of the val
-  part. Batches are {"inputs": int32 [local, seq_len], "targets": int32 [local, seq_len]} with
-  targets = inputs shifted left by one byte.
+
+class TextDataset:
+  """Language-model batches from token ids held in parts (a text's bytes, token shards, ...).
+
+  A window is seq_len + 1 consecutive tokens of one part; it never straddles two. Training batch
+  `step` holds `batch_size` windows drawn uniformly from all the training windows (so a part is
+  chosen in proportion to its windows), by np.random.default_rng([seed, step]). Evaluation uses
+  `eval_batches` fixed batches of non-overlapping consecutive windows, the val parts in order.
+  Batches are {"inputs": int32 [local, seq_len], "targets": int32 [local, seq_len]} with
+  targets = inputs shifted left by one token.
+
+  Args:
+    train, val: the training and validation tokens: sequences of 1-D arrays of any integer dtype
+      (uint8 bytes, uint16 / uint32 `np.memmap` shards, ...); only the windows a batch takes
+      are read. `split_tail` makes both from one sequence.
   """
 
-  def __init__(self, data: bytes, *, seq_len: int, batch_size: int, seed: int,
-               val_fraction: float = 0.1, eval_batches: int = 4,
-               process_index: int = 0, process_count: int = 1):
+  def __init__(self, train, val, *, seq_len: int, batch_size: int, seed: int,
+               eval_batches: int = 4, process_index: int = 0, process_count: int = 1):
     self.seq_len = _check_int(seq_len, "config.model.seq_len", 1)
     self.batch_size = _check_int(batch_size, "config.batch_size", 1)
     self.seed = _check_int(seed, "config.seed", 0)
     self.num_eval_batches = _check_int(eval_batches, "config.data.eval_batches", 1)
-    val_fraction = _check_fraction(val_fraction)
     self._rows = _local_rows(batch_size, process_index, process_count)
-    tokens = np.frombuffer(data, np.uint8)
-    num_val = round(len(tokens) * val_fraction)
-    self.train = tokens[:len(tokens) - num_val]   # uint8 [num_train]
-    self.val = tokens[len(tokens) - num_val:]     # uint8 [num_val]
+    self.train = tuple(train)   # 1-D integer arrays
+    self.val = tuple(val)
+    windows = [max(0, len(p) - self.seq_len) for p in self.train]
+    self._first_window = np.cumsum([0] + windows)   # int64 [len(train) + 1]
     self._check_sizes()
 
   def _check_sizes(self):
+    longest = max((len(p) for p in self.train), default=0)
     need = self.seq_len + 2
-    if len(self.train) < need:
+    if longest < need:
       raise ConfigError(
-          f"config.data: the training part has {len(self.train)} bytes, but seq_len + 2 = "
-          f"{need} are needed ({need - len(self.train)} short); use more text or a shorter "
+          f"config.data: the training part has {longest} tokens in its longest piece (a text "
+          f"or one shard), but seq_len + 2 = {need} are needed ({need - longest} short); a "
+          "window lies inside one piece: use more text, longer shards or a shorter "
           "config.model.seq_len")
-    need = self.num_eval_batches * self.batch_size * (self.seq_len + 1)
-    if len(self.val) < need:
+    width, need = self.seq_len + 1, self.num_eval_batches * self.batch_size
+    have = sum(len(p) // width for p in self.val)
+    if have < need:
       raise ConfigError(
-          f"config.data: the validation part has {len(self.val)} bytes, but eval_batches * "
-          f"batch_size * (seq_len + 1) = {self.num_eval_batches} * {self.batch_size} * "
-          f"{self.seq_len + 1} = {need} are needed ({need - len(self.val)} short); use more "
-          "text, a larger config.data.val_fraction or fewer config.data.eval_batches")
+          f"config.data: the validation part holds {have} windows of seq_len + 1 = {width} "
+          f"tokens, but eval_batches * batch_size = {self.num_eval_batches} * {self.batch_size} "
+          f"= {need} are needed ({need - have} short); use more text, a larger "
+          "config.data.val_fraction, more config.data.val_path shards or fewer "
+          "config.data.eval_batches")
 
   @property
   def tokens_per_example(self) -> int:
     return self.seq_len
 
   @property
+  def num_train_tokens(self) -> int:
+    return sum(len(p) for p in self.train)
+
+  @property
   def steps_per_epoch(self) -> int:
     """Global batches that together hold about as many tokens as the training part."""
-    return max(1, math.ceil(len(self.train) / (self.batch_size * self.seq_len)))
+    return max(1, math.ceil(self.num_train_tokens / (self.batch_size * self.seq_len)))
 
   @property
   def local_batch_size(self) -> int:
     return self._rows.stop - self._rows.start
 
-  def _split(self, windows: np.ndarray) -> dict[str, np.ndarray]:
-    """uint8 [B, seq_len + 1] windows -> {"inputs", "targets"}: int32 [B, seq_len]."""
-    windows = windows.astype(np.int32)
+  def _windows(self, parts, which: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+    """Window b = parts[which[b]][starts[b]:][:seq_len + 1], for which, starts: int [B] ->
+    {"inputs", "targets"}: int32 [B, seq_len]."""
+    offsets = np.arange(self.seq_len + 1)
+    windows = np.empty((len(which), self.seq_len + 1), np.int32)
+    for part in np.unique(which):
+      rows = which == part
+      windows[rows] = parts[part][starts[rows, None] + offsets]
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
-  def global_starts(self, step: int) -> np.ndarray:
-    """int64 [batch_size]: where each window of global batch `step` starts in the train part."""
+  def global_windows(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """(part, start), int64 [batch_size] each: window b of global batch `step` starts at
+    train[part[b]][start[b]]."""
     rng = np.random.default_rng([self.seed, _check_step(step)])
-    return rng.integers(0, len(self.train) - self.seq_len, size=self.batch_size)
+    index = rng.integers(0, self._first_window[-1], size=self.batch_size)
+    part = np.searchsorted(self._first_window, index, side="right") - 1
+    return part, index - self._first_window[part]
 
   def train_batch(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of global training batch `step` (a pure function of seed, step)."""
-    starts = self.global_starts(step)[self._rows]
-    return self._split(self.train[starts[:, None] + np.arange(self.seq_len + 1)])
+    part, start = self.global_windows(step)
+    return self._windows(self.train, part[self._rows], start[self._rows])
+
+  def eval_windows(self) -> tuple[np.ndarray, np.ndarray]:
+    """(part, start), int64 [eval_batches * batch_size] each: the evaluation windows in order,
+    the first non-overlapping windows of val[0], then of val[1], ..."""
+    width, need = self.seq_len + 1, self.num_eval_batches * self.batch_size
+    which, starts = [], []
+    for i, part in enumerate(self.val):
+      count = min(len(part) // width, need)
+      which.append(np.full(count, i))
+      starts.append(np.arange(count) * width)
+      need -= count
+    return np.concatenate(which), np.concatenate(starts)
 
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
     """The fixed evaluation batches: this process's rows of each, in order."""
-    width = self.seq_len + 1
-    n = self.num_eval_batches * self.batch_size * width
-    windows = self.val[:n].reshape(self.num_eval_batches, self.batch_size, width)
-    return [self._split(w[self._rows]) for w in windows]
+    part, start = (a.reshape(self.num_eval_batches, self.batch_size) for a in self.eval_windows())
+    return [self._windows(self.val, p[self._rows], s[self._rows]) for p, s in zip(part, start)]
 
 
 # --- images ---------------------------------------------------------------------------------
@@ -405,10 +452,13 @@ class DataSpec:
     name: the data set (`TEXT_DATA` or `IMAGE_DATA`).
     batch_size: the GLOBAL batch; seed: data order.
     val_fraction: held-out share for validation.
-    path: "text_file": the file. images, labels: "npy": the two arrays.
+    path: "text_file": the file; "tokens": a path or glob of token shards (`tokens`).
+    val_path: "tokens": the validation shards; "" = the last val_fraction of the path's.
+    images, labels: "npy": the two arrays.
     eval_batches: text: validation batches per evaluation.
-    seq_len: text: tokens per example. image_size, channels, num_classes: images: what the model
-      expects (the data must match).
+    seq_len, vocab_size: text: tokens per example and the model's vocabulary (token shards must
+      match it). image_size, channels, num_classes: images: what the model expects (the data
+      must match).
   """
 
   model: str
@@ -417,10 +467,12 @@ class DataSpec:
   seed: int
   val_fraction: float = 0.1
   path: str = ""
+  val_path: str = ""
   images: str = ""
   labels: str = ""
   eval_batches: int = 4
   seq_len: int = 0
+  vocab_size: int = 0
   image_size: int = 0
   channels: int = 0
   num_classes: int = 0
@@ -428,16 +480,22 @@ class DataSpec:
   @classmethod
   def from_config(cls, config) -> "DataSpec":
     """Reads `config.data`, the model's data-related fields, `batch_size` and `seed` of a
-    ConfigDict (at the config boundary); checks the name and the held-out fraction."""
+    ConfigDict (at the config boundary); checks the name, the held-out fraction and that only
+    token shards take a val_path. The files are read by `build`."""
     model = config.model.name
     if model not in MODELS:
       raise ConfigError(f"config.model.name: {model!r} is not one of {tuple(MODELS)}")
     d, m = config.data, config.model
     _check_name(model, d.name)
     get = lambda node, key, default: node[key] if key in node else default
+    val_path = get(d, "val_path", "")
+    if val_path and d.name != "tokens":
+      raise ConfigError(f"config.data.val_path: {val_path!r} is for data.name 'tokens' only, "
+                        f"not {d.name!r}")
     return cls(model, d.name, config.batch_size, config.seed, _check_fraction(d.val_fraction),
-               path=get(d, "path", ""), images=get(d, "images", ""), labels=get(d, "labels", ""),
-               eval_batches=get(d, "eval_batches", 4), seq_len=get(m, "seq_len", 0),
+               path=get(d, "path", ""), val_path=val_path, images=get(d, "images", ""),
+               labels=get(d, "labels", ""), eval_batches=get(d, "eval_batches", 4),
+               seq_len=get(m, "seq_len", 0), vocab_size=get(m, "vocab_size", 0),
                image_size=get(m, "image_size", 0), channels=get(m, "channels", 0),
                num_classes=get(m, "num_classes", 0))
 
@@ -449,12 +507,27 @@ def _check_name(model: str, name: str) -> None:
                       f"(the datasets for model {model!r})")
 
 
+def _token_parts(spec: DataSpec) -> tuple[tuple, tuple]:
+  """(train, val) memmaps of the token shards `spec` names, checked against the model."""
+  train = tokens_lib.open_shards(spec.path, "config.data.path")
+  tokens_lib.check_vocab_size(train, spec.vocab_size)
+  if not spec.val_path:
+    return split_tail(train.tokens, spec.val_fraction)
+  val = tokens_lib.open_shards(spec.val_path, "config.data.val_path")
+  tokens_lib.check_same_vocabulary(val.header, train.header, f"config.data.val_path: "
+                                   f"{val.header_file}", train.header_file)
+  return train.tokens, val.tokens
+
+
 def _build_text(spec: DataSpec, process_index: int, process_count: int) -> TextDataset:
   sources = {"pydoc": pydoc_corpus, "stdlib": stdlib_corpus,
              "text_file": lambda: read_text_file(spec.path)}
-  data = sources[spec.name]()
-  return TextDataset(data, seq_len=spec.seq_len, batch_size=spec.batch_size, seed=spec.seed,
-                     val_fraction=spec.val_fraction, eval_batches=spec.eval_batches,
+  if spec.name == "tokens":
+    train, val = _token_parts(spec)
+  else:
+    train, val = split_tail([np.frombuffer(sources[spec.name](), np.uint8)], spec.val_fraction)
+  return TextDataset(train, val, seq_len=spec.seq_len, batch_size=spec.batch_size,
+                     seed=spec.seed, eval_batches=spec.eval_batches,
                      process_index=process_index, process_count=process_count)
 
 

@@ -11,6 +11,7 @@ from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 from semijax.train import metrics
+from semijax.train import tokens as tokens_lib
 
 
 def refused(config, workdir, match):
@@ -43,6 +44,10 @@ def refused(config, workdir, match):
      r"^config.batch_size: 7 is not divisible by mesh.data \* processes = 2 \* 1"),
     (lambda c: c.data.update(name="text_file", path="/no/such/corpus.txt"),
      r"^config.data.path: no such file"),
+    (lambda c: c.data.update(name="tokens", path="/no/such/shards/*.bin"),
+     r"^config.data.path: no token shard matches '/no/such/shards/\*.bin'"),
+    (lambda c: c.data.update(val_path="/data/val.bin"),
+     r"^config.data.val_path: '/data/val.bin' is for data.name 'tokens' only, not 'pydoc'"),
     (lambda c: c.model.__setattr__("dtype", "bf16"),
      r"^config.model.dtype: 'bf16' is not one of \('float32', 'bfloat16', 'float16'\)"),
     (lambda c: c.model.__setattr__("param_dtype", "int8"), r"^config.model.param_dtype: 'int8'"),
@@ -62,6 +67,17 @@ def test_bad_config_is_refused_before_compiling(tmp_path, edit, match):
     edit(config)
   assert refused(config, tmp_path, match) == []
   assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_token_shards_of_another_vocabulary_are_refused_before_compiling(tmp_path):
+  tokens_lib.write_shard(str(tmp_path / "train.bin"), np.arange(5000) % 300, vocab_size=300,
+                         tokenizer="bpe.json")
+  config = tiny_gpt()   # model.vocab_size 256
+  config.data.update(name="tokens", path=str(tmp_path / "*.bin"))
+  match = (r"^config.model.vocab_size: 256 but the token shards' vocabulary is 300 \(header "
+           r".*train.bin.json\)$")
+  assert refused(config, tmp_path / "run", match) == []
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
 def test_bad_config_leaves_an_existing_run_intact(tmp_path):

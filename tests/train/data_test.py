@@ -16,10 +16,17 @@ from semijax.train import data as D
 TEXT = bytes(range(256)) * 40   # 10240 bytes; every byte value, so windows are easy to locate
 
 
-def _text(**kw):
-  args = dict(seq_len=16, batch_size=8, seed=0, val_fraction=0.1, eval_batches=4)
+def _text(data=TEXT, val_fraction=0.1, **kw):
+  """A TextDataset of the bytes `data`, the last `val_fraction` held out."""
+  args = dict(seq_len=16, batch_size=8, seed=0, eval_batches=4)
   args.update(kw)
-  return D.TextDataset(TEXT, **args)
+  return D.TextDataset(*D.split_tail([np.frombuffer(data, np.uint8)], val_fraction), **args)
+
+
+def _parts(lengths, step=1000):
+  """Parts [lengths[i]] of int64 ids step * i, step * i + 1, ...: a window's part is its first
+  id // step, and a window that straddled two parts would not be consecutive ids."""
+  return [np.arange(n) + step * i for i, n in enumerate(lengths)]
 
 
 def _images(n=100, h=4, w=4, c=1):
@@ -162,11 +169,15 @@ def test_text_train_batches_deterministic_and_varied():
 def test_text_targets_shift_inputs_and_come_from_train():
   ds = _text()
   train = np.frombuffer(TEXT, np.uint8)[:len(TEXT) - round(len(TEXT) * 0.1)]
-  assert len(ds.train) == len(train) and len(ds.val) == len(TEXT) - len(train)
+  assert [len(p) for p in ds.train] == [len(train)]
+  assert [len(p) for p in ds.val] == [len(TEXT) - len(train)]
+  assert ds.num_train_tokens == len(train)
   for step in range(20):
     b = ds.train_batch(step)
     np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
-    for s, row_in, row_t in zip(ds.global_starts(step), b["inputs"], b["targets"]):
+    part, starts = ds.global_windows(step)
+    assert not part.any()
+    for s, row_in, row_t in zip(starts, b["inputs"], b["targets"]):
       assert 0 <= s and s + 17 <= len(train)
       np.testing.assert_array_equal(row_in, train[s:s + 16])
       np.testing.assert_array_equal(row_t, train[s + 1:s + 17])
@@ -174,9 +185,8 @@ def test_text_targets_shift_inputs_and_come_from_train():
 
 def test_text_windows_reach_the_end_of_train_but_not_val():
   data = bytes(range(20)) + b"\xff" * 400   # train = bytes 0..19, val = 0xff
-  ds = D.TextDataset(data, seq_len=4, batch_size=64, seed=0, val_fraction=400 / 420,
-                     eval_batches=1)
-  assert len(ds.train) == 20
+  ds = _text(data, val_fraction=400 / 420, seq_len=4, batch_size=64, eval_batches=1)
+  assert ds.num_train_tokens == 20
   last = [int(ds.train_batch(s)["targets"][:, -1].max()) for s in range(5)]
   assert max(last) == 19   # the last train byte is reachable, no val byte ever is
 
@@ -200,7 +210,7 @@ def test_text_eval_batches_fixed_consecutive_windows_of_val():
   batches = ds.eval_batches()
   assert len(batches) == 4
   other = _text(seed=5).eval_batches()
-  windows = np.frombuffer(TEXT, np.uint8)[-len(ds.val):][:4 * 8 * 17].reshape(32, 17)
+  windows = np.frombuffer(TEXT, np.uint8)[-len(ds.val[0]):][:4 * 8 * 17].reshape(32, 17)
   for i, b in enumerate(batches):
     assert b["inputs"].shape == (8, 16) and b["inputs"].dtype == np.int32
     np.testing.assert_array_equal(b["inputs"], other[i]["inputs"])
@@ -209,13 +219,72 @@ def test_text_eval_batches_fixed_consecutive_windows_of_val():
 
 
 def test_text_too_small_errors():
-  with pytest.raises(ConfigError, match=r"^config\.data: the training part .* short"):
-    D.TextDataset(b"x" * 20, seq_len=16, batch_size=1, seed=0, val_fraction=0.5,
-                  eval_batches=1)
-  with pytest.raises(ConfigError, match=r"^config\.data: the validation part .*\(\d+ short\)"):
+  with pytest.raises(ConfigError, match=r"^config\.data: the training part has 10 tokens in "
+                     r"its longest piece .*\(8 short\)"):
+    _text(b"x" * 20, val_fraction=0.5, batch_size=1, eval_batches=1)
+  with pytest.raises(ConfigError, match=r"^config\.data: the validation part holds 60 windows "
+                     r"of seq_len \+ 1 = 17 tokens, .* = 800 are needed \(740 short\)"):
     _text(eval_batches=100)
+  with pytest.raises(ConfigError, match=r"^config\.data: the training part has 17 tokens"):
+    D.TextDataset(_parts([17, 17]), _parts([100]), seq_len=16, batch_size=1, seed=0,
+                  eval_batches=1)   # two windows, but not two in one part
   with pytest.raises(ConfigError, match=r"^config\.batch_size: "):
     _text(batch_size=6, process_count=4)
+
+
+def test_split_tail_holds_out_the_last_tokens_across_parts():
+  parts = _parts([10, 5, 15])
+  train, val = D.split_tail(parts, 0.6)   # 18 of 30 tokens validate: 3 of part 1, all of part 2
+  assert [p.tolist() for p in train] == [list(range(10)), [1000, 1001]]
+  assert [p.tolist() for p in val] == [[1002, 1003, 1004], list(range(2000, 2015))]
+  train, val = D.split_tail(parts, 0.5)   # the cut falls between parts: none left empty
+  assert [len(p) for p in train] == [10, 5] and [len(p) for p in val] == [15]
+  assert all(np.shares_memory(a, b) for a, b in zip(train, parts))   # views, not copies
+  with pytest.raises(ConfigError, match=r"^config\.data\.val_fraction: "):
+    D.split_tail(parts, 1.0)
+
+
+def test_text_windows_stay_inside_one_part_chosen_by_its_windows():
+  # Windows of 17 tokens: 100 start in part 0, none in part 1 (too short), 10 in part 2.
+  ds = D.TextDataset(_parts([116, 12, 26]), _parts([17 * 64]), seq_len=16, batch_size=64,
+                     seed=0, eval_batches=1)
+  rows = np.concatenate([ds.train_batch(step)["inputs"] for step in range(50)])   # 3200 rows
+  targets = np.concatenate([ds.train_batch(step)["targets"] for step in range(50)])
+  np.testing.assert_array_equal(np.diff(np.c_[rows, targets[:, -1]]), 1)   # never straddle
+  part = rows[:, 0] // 1000
+  assert set(part.tolist()) == {0, 2}
+  assert 0.07 < np.mean(part == 2) < 0.115   # 10 / 110 = 0.091 of the windows
+  assert rows[part == 2, 0].max() - 2000 == 9 and rows[part == 0, 0].max() == 99   # every start
+  part, starts = ds.global_windows(3)
+  np.testing.assert_array_equal(ds.train_batch(3)["inputs"][:, 0], part * 1000 + starts)
+
+
+def test_text_eval_windows_run_through_the_val_parts_in_order():
+  # 2 windows of 9 tokens in part 0 (20 tokens), 3 in part 1 (27), 1 in part 2: need 4 * 1.
+  ds = D.TextDataset(_parts([40]), _parts([20, 27, 9]), seq_len=8, batch_size=1, seed=0,
+                     eval_batches=4)
+  part, starts = ds.eval_windows()
+  assert part.tolist() == [0, 0, 1, 1] and starts.tolist() == [0, 9, 0, 9]
+  firsts = [int(b["inputs"][0, 0]) for b in ds.eval_batches()]
+  assert firsts == [0, 9, 1000, 1009]
+  assert ds.eval_batches()[3]["targets"][0].tolist() == list(range(1010, 1018))
+
+
+def test_text_parts_processes_concatenate_to_global_batch_and_steps_are_pure():
+  make = lambda **kw: D.TextDataset(_parts([300, 50, 120]), _parts([200, 150]), seq_len=8,
+                                    batch_size=12, seed=4, eval_batches=3, **kw)
+  full = make()
+  later = full.train_batch(9)["inputs"]
+  parts = [make(process_index=p, process_count=3) for p in range(3)]
+  for step in (9, 0, 2):
+    for key in ("inputs", "targets"):
+      got = np.concatenate([p.train_batch(step)[key] for p in parts])
+      np.testing.assert_array_equal(got, full.train_batch(step)[key])
+  np.testing.assert_array_equal(full.train_batch(9)["inputs"], later)   # whatever came before
+  assert not np.array_equal(full.train_batch(8)["inputs"], later)
+  for i, batch in enumerate(full.eval_batches()):
+    got = np.concatenate([p.eval_batches()[i]["targets"] for p in parts])
+    np.testing.assert_array_equal(got, batch["targets"])
 
 
 # --- images ----------------------------------------------------------------------------------
