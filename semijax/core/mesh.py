@@ -142,3 +142,14 @@ def vary(x, axes) -> jax.Array:
   """`x` typed as varying over the mesh axes `axes`, casting only over those it lacks."""
   missing = tuple(a for a in axes if a not in varying_axes(x))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_alike(tree, axes=()):
+  """Every array of `tree` typed as varying over the union of the axes any of them varies over
+  and `axes`: the operands of a `lax.cond` whose predicate varies, cast outside it (an implicit
+  cast inside a branch puts its transpose, an all-reduce, inside that branch only, and devices
+  that take the other branch never join it)."""
+  leaves = jax.tree.leaves(tree)
+  union = frozenset(axes).union(*(varying_axes(a) for a in leaves))
+  order = tuple(a for a in PIPELINE_AXES if a in union) + tuple(sorted(union - set(PIPELINE_AXES)))
+  return jax.tree.map(lambda a: vary(a, order), tree)

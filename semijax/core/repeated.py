@@ -53,10 +53,8 @@ def head_terms(fn: Callable, x: jax.Array, params, plan: Plan):
   if not drains(plan):
     return fn(x, params)
   here = busy(plan)
-  # The differentiable inputs enter the cond as operands cast to varying over `tensor` outside
-  # it: an implicit cast inside a branch puts its transpose, an all-reduce, inside one branch
-  # only, and the devices that take the other deadlock.
-  x, params = jax.tree.map(lambda a: mesh_lib.vary(a, (mesh_lib.TENSOR,)), (x, params))
+  # The differentiable inputs enter the cond as operands cast outside it (`mesh.vary_alike`).
+  x, params = mesh_lib.vary_alike((x, params), (mesh_lib.TENSOR,))
   axes = (mesh_lib.DATA, mesh_lib.TENSOR)
   run = lambda x, p: jax.tree.map(lambda t: mesh_lib.vary(t, axes), fn(x, p))
   zeros = lambda x, p: jax.tree.map(lambda s: mesh_lib.vary(jnp.zeros(s.shape, s.dtype), axes),
