@@ -40,6 +40,9 @@ def run_config(model: str, steps: int, probe_every: int, tensor: int, peak_tflop
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   arg = f"tensor={tensor}" + (",cpu" if model == "tiny" else "")
   c = config_lib.load(os.path.join(root, "configs", "gpt_tiny.py") + ":" + arg)
+  if model == "gpt_tiny":   # byte-level text that ships with Python: no prepared token shards
+    # (an offline accelerator host may lack the `tokenizers` package that prepares them)
+    c.data.name, c.data.path, c.data.val_path, c.model.vocab_size = "stdlib", "", "", 256
   if model == "tiny":
     c.model.d_model, c.model.d_ff, c.model.num_layers, c.batch_size = 64, 128, 1, 8
     c.model.num_heads, c.model.seq_len = 4, 16

@@ -157,11 +157,20 @@ def open_shards(pattern: str, field: str = "config.data.path") -> Shards:
   paths = sorted(p for p in glob.glob(os.path.expanduser(pattern))
                  if os.path.isfile(p) and not p.endswith(".json"))
   if not paths:
-    raise ConfigError(f"{field}: no token shard matches {pattern!r}")
+    raise ConfigError(f"{field}: no token shard matches {pattern!r}{_prepare_hint(pattern)}")
   tokens, headers = zip(*(open_shard(p, field) for p in paths))
   for path, header in zip(paths[1:], headers[1:]):
     check_same_vocabulary(header, headers[0], f"{field}: {path}", header_path(paths[0]))
   return Shards(tuple(paths), tuple(tokens), headers[0])
+
+
+def _prepare_hint(pattern: str) -> str:
+  """How to write shards where `pattern` looks for them (experiments/prepare_data.py)."""
+  directory = os.path.dirname(pattern)
+  if not pattern or glob.has_magic(directory):
+    return ""
+  return (f"; python experiments/prepare_data.py --out_dir={directory or '.'} writes them "
+          "(from the standard library's sources; --input=PATH for other text, docs/data.md)")
 
 
 def open_shard(path: str, field: str) -> tuple[np.ndarray, ShardHeader]:

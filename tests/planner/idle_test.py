@@ -22,7 +22,7 @@ from semijax.planner import predict
 from semijax.planner import search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# The model of `configs/gpt_tiny.py` (its default variant) at the default device rate.
+# The shape of `configs/gpt_tiny.py`'s default variant, byte-level, at the default device rate.
 TINY = costs_lib.ModelCosts.from_spec(
     models.spec("gpt", dict(vocab_size=256, seq_len=256, d_model=512, num_heads=16, d_ff=2048,
                             num_layers=6, dtype="bfloat16")), 2.0)
