@@ -12,6 +12,7 @@ from helpers import ROOT
 from semijax.errors import ConfigError
 from semijax.train import config as config_lib
 from semijax.train import data as D
+from semijax.train import prepare
 
 TEXT = bytes(range(256)) * 40   # 10240 bytes; every byte value, so windows are easy to locate
 
@@ -431,12 +432,29 @@ def test_build_unknown_model():
     D.DataSpec.from_config(config)
 
 
+@pytest.fixture(scope="module")
+def prepared_stdlib(tmp_path_factory):
+  """A directory holding the token shards the full-size configs read (their documented
+  command's output, `prepare.STDLIB_DIR` below it)."""
+  root = tmp_path_factory.mktemp("prepared")
+  cwd = os.getcwd()
+  os.chdir(root)
+  try:
+    prepare.prepare(prepare.Request(prepare.STDLIB, prepare.STDLIB_DIR,
+                                    vocab_size=prepare.STDLIB_VOCAB), say=lambda line: None)
+  finally:
+    os.chdir(cwd)
+  return root
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))),
                          ids=os.path.basename)
-def test_build_the_default_config_of_every_config_file(path):
+def test_build_the_default_config_of_every_config_file(path, request, monkeypatch):
   config = config_lib.load(path)   # no option after the colon: the full-size default
   if config.data.name == "digits":
     pytest.importorskip("sklearn")
+  if config.data.name == "tokens":   # relative shard paths, prepared by the documented command
+    monkeypatch.chdir(request.getfixturevalue("prepared_stdlib"))
   ds = D.build(config_lib.validate(config).data)
   assert len(ds.eval_batches()) >= 1
   assert len(ds.train_batch(0)) == 2
