@@ -68,7 +68,7 @@ def stdlib_corpus() -> bytes:
   Read once per process (about 12 MB for CPython 3.11, in a fraction of a second); the same bytes
   for the same Python installation.
   """
-  root = sysconfig.get_paths()["stdlib"]
+  root = stdlib_root()
   data = python_sources(root)
   if not data:
     raise ConfigError(f"config.data.name: 'stdlib' found no .py files in {root}; use 'pydoc' or "
@@ -76,25 +76,42 @@ def stdlib_corpus() -> bytes:
   return data
 
 
-def python_sources(root: str) -> bytes:
-  """The `.py` files under `root`, joined by blank lines, in a fixed order.
+def stdlib_root() -> str:
+  """This Python's standard library directory."""
+  return sysconfig.get_paths()["stdlib"]
+
+
+def source_files(root: str, suffix: str = "", skip=frozenset(), avoid: str = "",
+                 hidden: bool = True) -> list[str]:
+  """The regular files under `root` whose names end in `suffix`, in a fixed order.
 
   Each directory's files come in sorted name order, then its subdirectories in sorted order
-  (`os.walk`, top-down). Directories named in SKIPPED_SOURCE_DIRS are skipped, and so is any
-  `.py` entry that is not a regular file or cannot be read.
+  (`os.walk`, top-down). Directories named in `skip` and the directory `avoid` (with what is
+  under it) are left out, and so are names that start with "." unless `hidden`; `isfile` leaves
+  out fifos and dead links.
   """
-  parts = []
+  avoid = os.path.realpath(avoid) if avoid else ""
+  shown = lambda name: hidden or not name.startswith(".")
+  found = []
   for directory, subdirs, files in os.walk(root):
-    subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_SOURCE_DIRS)
-    for name in sorted(files):
-      path = os.path.join(directory, name)
-      if not name.endswith(".py") or not os.path.isfile(path):   # isfile: no fifos, dead links
-        continue
-      try:
-        with open(path, "rb") as f:
-          parts.append(f.read())
-      except OSError:
-        continue
+    subdirs[:] = sorted(d for d in subdirs if d not in skip and shown(d)
+                        and not (avoid and os.path.realpath(os.path.join(directory, d)) == avoid))
+    found += [os.path.join(directory, name) for name in sorted(files)
+              if name.endswith(suffix) and shown(name)
+              and os.path.isfile(os.path.join(directory, name))]
+  return found
+
+
+def python_sources(root: str) -> bytes:
+  """The `.py` files under `root` (`source_files`, without the SKIPPED_SOURCE_DIRS), joined by
+  blank lines; a file that cannot be read is left out."""
+  parts = []
+  for path in source_files(root, ".py", SKIPPED_SOURCE_DIRS):
+    try:
+      with open(path, "rb") as f:
+        parts.append(f.read())
+    except OSError:
+      continue
   return b"\n\n".join(parts)
 
 

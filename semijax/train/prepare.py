@@ -5,7 +5,7 @@
   input      "stdlib" (the `.py` files of this Python's standard library, the files that
              `data.stdlib_corpus` joins), a text file, or a directory: its files, recursively,
              each directory's files in sorted name order and then its subdirectories in sorted
-             order (the walk `data.python_sources` makes); names that start with "." (.git,
+             order (`data.source_files`); names that start with "." (.git,
              .venv) and the output directory are skipped. Each file is one document, read as
              UTF-8 (bytes that are not UTF-8 are replaced by U+FFFD).
   tokenizer  trained here (tokenizers' BpeTrainer over its ByteLevel pre-tokenizer: the 256
@@ -41,7 +41,6 @@ import os
 import re
 import shutil
 import sys
-import sysconfig
 import time
 from typing import Callable, Iterator
 
@@ -196,30 +195,10 @@ def check(request: Request) -> tuple[Request, tuple[str, ...], object]:
 # --- input ----------------------------------------------------------------------------------
 
 
-def stdlib_root() -> str:
-  return sysconfig.get_paths()["stdlib"]
-
-
-def walk_files(root: str, suffix: str = "", skip=frozenset(), avoid: str = "") -> list[str]:
-  """The regular files under `root` whose names end in `suffix`, in `python_sources`' order.
-
-  Directories named in `skip`, names that start with "." and the directory `avoid` (and what is
-  under it) are left out."""
-  avoid = os.path.realpath(avoid) if avoid else ""
-  found = []
-  for directory, subdirs, files in os.walk(root):
-    subdirs[:] = sorted(d for d in subdirs if d not in skip and not d.startswith(".")
-                        and os.path.realpath(os.path.join(directory, d)) != avoid)
-    found += [os.path.join(directory, name) for name in sorted(files)
-              if name.endswith(suffix) and not name.startswith(".")
-              and os.path.isfile(os.path.join(directory, name))]
-  return found
-
-
 def input_files(source: str, out_dir: str = "") -> tuple[str, ...]:
   """The documents' files of `source` ("stdlib", a file or a directory), in order."""
   if source == STDLIB:
-    files = walk_files(stdlib_root(), ".py", data_lib.SKIPPED_SOURCE_DIRS)
+    files = data_lib.source_files(data_lib.stdlib_root(), ".py", data_lib.SKIPPED_SOURCE_DIRS)
   elif not isinstance(source, str) or not source:
     raise InputError("--input: need 'stdlib', a text file or a directory, got ''")
   elif os.path.isfile(source):
@@ -227,7 +206,7 @@ def input_files(source: str, out_dir: str = "") -> tuple[str, ...]:
   elif os.path.isdir(source) and os.path.realpath(source) == os.path.realpath(out_dir):
     raise InputError(f"--input: {source} is the --out_dir; give the text's directory")
   elif os.path.isdir(source):
-    files = walk_files(source, avoid=out_dir)
+    files = data_lib.source_files(source, avoid=out_dir, hidden=False)
   else:
     raise InputError(f"--input: no such file or directory: {source} (or 'stdlib' for the "
                      "standard library's sources)")
