@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from semijax.core import plan as plan_lib
 from semijax.core import schedule as schedule_lib
 from semijax.errors import ConfigError
 
@@ -130,7 +131,7 @@ class Emulator:
     slowdown = np.asarray(self.hetero.slowdown_at(step), np.float64)
     ms = sum(float((self.unit_ms[k] * np.asarray(e) * slowdown[:, None]).max(axis=0).sum())
              for k, e in executed.items())
-    busy = np.any([np.asarray(e).sum(axis=1) > 0 for e in executed.values()], axis=0)
+    busy = plan_lib.executes(executed)
     ms += self.edge_ms.get("first", 0.0) * slowdown.max()
     ms += self.edge_ms.get("last", 0.0) * slowdown[busy].max(initial=0.0)
     return ms / 1e3

@@ -175,6 +175,12 @@ def executed_widths(layout: layout_lib.Layout, num_layers: int, *, resize=None, 
   return out
 
 
+def executes(executed: dict) -> np.ndarray:
+  """bool [..., N]: whether each device executes some width in some block of `executed`
+  ({kind: [..., N, L]} widths, `executed_widths`); a device that executes none is drained."""
+  return np.any([np.asarray(e).max(axis=-1) > 0 for e in executed.values()], axis=0)
+
+
 def branch_plans(plan: Plan, mesh: jax.sharding.Mesh) -> list[Plan]:
   """Plans under which every device takes each branch of `plan`'s compiled step once.
 

@@ -45,6 +45,7 @@ import dataclasses
 
 import numpy as np
 
+from semijax.core import plan as plan_lib
 from semijax.sim import cluster as cluster_lib
 from semijax.sim import hardware as hardware_lib
 from semijax.sim import workload as workload_lib
@@ -86,7 +87,7 @@ def busy_devices(widths: dict) -> np.ndarray:
   """bool [S, T]: the devices that execute some unit in their stage, `widths` {kind: float
   [S, T, L]} (the others are drained: no blocks, no repeated work). A stage in which nobody
   would be busy counts every device busy."""
-  busy = np.any([np.asarray(w).max(axis=-1) > 0 for w in widths.values()], axis=0)
+  busy = plan_lib.executes(widths)
   return busy | ~busy.any(axis=1, keepdims=True)
 
 
