@@ -93,7 +93,8 @@ class Resize:
 # --- parameters touched by resizing -------------------------------------------------------------
 
 def role(axes) -> str | None:
-  """"col" (column-parallel weight [d_model, units]), "bias", "row" ([units, d_model]) or None."""
+  """"col" (column-parallel weight [d_model, units, ...]), "bias", "row" ([units, ..., d_model])
+  or None. (A Llama's attention weights have a trailing or middle axis inside each unit.)"""
   unit = axes.unit()
   if unit is None:
     return None
@@ -121,20 +122,19 @@ def skip_masks(resize: Resize, active: dict, axes, unit_sizes: dict):
     layer = sharding.block_index(path)
     if r is None or layer is None:
       return never
-    _, kind = a.unit()
+    axis, kind = a.unit()
     us = unit_sizes[kind]
+    trailing = (1,) * (len(a.names) - 1 - axis)      # the axes after the unit axis broadcast
     units = jnp.repeat(resize.skip[kind][:, layer].reshape(-1), us)          # [N*C*us]
-    if resize.mode == "units":
-      return units[:, None] if r == "row" else units                        # bias/col: last axis
-    if r == "row":
-      return units[:, None]
+    if resize.mode == "units" or r == "row":
+      return units.reshape(units.shape + trailing)
     if r == "bias":
       return never
     n, c = resize.skip[kind].shape[0], resize.skip[kind].shape[2]
     owned = jnp.arange(c)[None, :] < active[kind][:, None]                  # [N, C]
     feat = resize.feat_skip[kind][:, layer]                                 # [N, D]
     mask = feat.T[:, :, None] & jnp.repeat(owned, us, axis=1)[None]          # [D, N, C*us]
-    return mask.reshape(mask.shape[0], n * c * us)
+    return mask.reshape((mask.shape[0], n * c * us) + trailing)
   return jax.tree_util.tree_map_with_path(one, axes)
 
 

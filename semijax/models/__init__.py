@@ -13,9 +13,10 @@ from semijax.core import precision as precision_lib
 from semijax.core import spec as spec_lib
 from semijax.errors import ConfigError
 from semijax.models import gpt
+from semijax.models import llama
 from semijax.models import vit
 
-REGISTRY = {"gpt": gpt.GPT, "vit": vit.ViT}
+REGISTRY = {"gpt": gpt.GPT, "vit": vit.ViT, "llama": llama.Llama}
 
 
 def model_class(name: str):

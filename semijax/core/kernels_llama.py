@@ -1,0 +1,114 @@
+"""Per-device kernels of a Llama-style block: the SwiGLU MLP and grouped-query attention with
+rotary position embeddings, at bucketed widths (`core.kernels` has the design; these run inside
+`jax.shard_map`, through `tp.row_parallel`, like `kernels.mlp_partial`).
+
+Units: an MLP unit is one hidden unit of the gate and up projections with its row of the down
+projection; an attention unit is one KV group: its key and value head and the `group` query heads
+that share them, so a device never splits a group. The attention weights keep the group axis
+explicit (local: wq [d_model, C, group*head_dim], wk, wv [d_model, C, head_dim], wo
+[C, group*head_dim, d_model]), so one unit is one index of that axis (unit size 1 in
+`core.sharding`, `GQA_UNITS`). Inside a kernel they are viewed flat ([d_model, C*group*head_dim],
+...) and go through the GPT's column and row GEMMs (`kernels._column`, `kernels._row`: exact at a
+bucket width, ZERO-resized, or the pallas kernel's width None), each with its own entries per
+unit. There are no biases: the GEMMs get zero ones.
+
+Rotary embeddings (`rope`) rotate this device's query and key heads after the column GEMMs, in
+float32; the scores and the softmax are float32 (`jax.nn.dot_product_attention`, as the GPT's).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from semijax.core import kernels
+
+ROPE_THETA = 10000.0
+SWIGLU_UNITS = ((1, 1), (1, 1), (0, 1))          # (unit axis, unit size) of w_gate, w_up, w_down
+GQA_UNITS = ((1, 1), (1, 1), (1, 1), (0, 1))     # of wq, wk, wv, wo: one KV group per index
+
+
+def rope(x: jax.Array, theta: float = ROPE_THETA) -> jax.Array:
+  """Rotary position embedding of x [..., seq, heads, head_dim] at positions 0..seq-1.
+
+  The halves convention: feature i < head_dim/2 pairs with i + head_dim/2 and the pair turns by
+  position * theta^(-2i/head_dim). Computed in float32, returned in x's dtype.
+  """
+  seq, head_dim = x.shape[-3], x.shape[-1]
+  half = head_dim // 2
+  freq = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)      # [half]
+  angle = (jnp.arange(seq, dtype=jnp.float32)[:, None] * freq)[:, None, :]      # [seq, 1, half]
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., :half], xf[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _zeros(w, x):
+  """A zero bias for the flat column block `w` [d_model, n]: [n] in x's dtype."""
+  return jnp.zeros((w.shape[1],), x.dtype)
+
+
+def swiglu_partial(width, x, w_gate, w_up, w_down, active, cut: kernels.Cut | None = None):
+  """This device's partial SwiGLU output, silu(x @ w_gate) * (x @ w_up) @ w_down, at `width`.
+
+  Args:
+    width: static compute width in hidden units (<= C), or None (the pallas kernel: C, skipping
+      the units >= active; no `cut`).
+    x: [..., d_model] activations (replicated over `tensor`).
+    w_gate, w_up: [d_model, C] local column blocks; w_down: [C, d_model] local row block.
+    active: int32 scalar; units >= active contribute zero.
+    cut: what a resized device leaves out (`kernels.Cut`), or None for the exact block.
+
+  Returns:
+    [..., d_model] partial sum (before the all-reduce).
+  """
+  limit, width = kernels._limit(width, active, cut, w_gate.shape[1])
+  gate = kernels._column(x, w_gate, _zeros(w_gate, x), width, 1, cut, limit)
+  up = kernels._column(x, w_up, _zeros(w_up, x), width, 1, cut, limit)
+  h = jax.nn.silu(gate) * up
+  h = h * kernels.unit_mask(width, kernels._computed(width, active, cut), h.dtype)
+  return kernels._row(h[..., None], w_down, width, 1, cut, limit)
+
+
+def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None, *,
+                implementation: str = "xla"):
+  """This device's partial grouped-query attention output (causal, rotary), at `width` groups.
+
+  Args:
+    width: static compute width in KV groups (<= C; 0 computes nothing), or None (the pallas
+      kernel: C, skipping the groups >= active in the projections; no `cut`).
+    x: [batch, seq, d_model] activations (replicated over `tensor`).
+    wq: [d_model, C, group*head_dim]; wk, wv: [d_model, C, head_dim] local column blocks;
+      wo: [C, group*head_dim, d_model] local row block (query head j of group c is
+      wq[:, c, j*head_dim:(j+1)*head_dim] and wo[c, j*head_dim:(j+1)*head_dim]).
+    active: int32 scalar; groups >= active contribute zero.
+    cut: what a resized device leaves out (`kernels.Cut`), or None for the exact block.
+    implementation: of `jax.nn.dot_product_attention`, "xla" or "cudnn".
+
+  Returns:
+    [batch, seq, d_model] partial sum (before the all-reduce).
+  """
+  d_model, capacity, q_size = wq.shape
+  head_dim = wk.shape[2]
+  group = q_size // head_dim
+  limit, width = kernels._limit(width, active, cut, capacity)
+
+  def column(w, size, heads):          # [d_model, C, size] -> [batch, seq, heads, head_dim]
+    flat = w.reshape(d_model, capacity * size)
+    y = kernels._column(x, flat, _zeros(flat, x), width, size, cut, limit)
+    return y.reshape(*x.shape[:-1], heads, head_dim)
+
+  q = rope(column(wq, q_size, width * group))
+  k = rope(column(wk, head_dim, width))
+  v = column(wv, head_dim, width)
+  if width == 0:      # a drained device: no heads, a zero partial sum from the empty row GEMM
+    out = q
+  else:               # query head c*group + j attends with KV head c
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+  out = out.reshape(*x.shape[:-1], width, q_size)
+  if cut is None:     # the row GEMM's input, kept by a branch (`kernels.saved`)
+    out = kernels.saved(out.reshape(*x.shape[:-1], width * q_size),
+                        capacity * q_size).reshape(out.shape)
+  out = out * kernels.unit_mask(width, kernels._computed(width, active, cut), out.dtype)[:, None]
+  return kernels._row(out, wo.reshape(capacity * q_size, d_model), width, q_size, cut, limit)
