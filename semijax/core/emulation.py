@@ -114,9 +114,9 @@ class Emulator:
     hetero: the slowdown profile over time.
     unit_ms: {kind: emulated milliseconds per unit of executed width at slowdown 1} (`unit_ms`).
     edge_ms: emulated milliseconds at slowdown 1 of the work outside the blocks that every
-      tensor device repeats (`unit_ms` of `ModelSpec.edge_flops`): {"first": the embedding, which
-      every device runs, "last": the final norm, the head and the loss, which a drained device
-      skips (`core.repeated`)}; {} charges none (replays of runs emulated without it).
+      tensor device repeats (`unit_ms` of `ModelSpec.edge_flops`): {"first": the embedding,
+      "last": the final norm, the head and the loss}, both of which a drained device skips
+      (`core.repeated`); {} charges none (replays of runs emulated without it).
   """
 
   hetero: Hetero
@@ -127,13 +127,13 @@ class Emulator:
     """Seconds the slowest devices add to 0-based `step`, which executes `executed`
     ({kind: [N, L]} widths, `core.plan.executed_widths`): the sum over blocks of the largest
     per-device time, plus the repeated work on the slowest device that runs it (a device that
-    executes nothing in any block is drained: it skips the head and the loss)."""
+    executes nothing in any block is drained: it skips the embedding, the head and the loss)."""
     slowdown = np.asarray(self.hetero.slowdown_at(step), np.float64)
     ms = sum(float((self.unit_ms[k] * np.asarray(e) * slowdown[:, None]).max(axis=0).sum())
              for k, e in executed.items())
     busy = plan_lib.executes(executed)
-    ms += self.edge_ms.get("first", 0.0) * slowdown.max()
-    ms += self.edge_ms.get("last", 0.0) * slowdown[busy].max(initial=0.0)
+    edge = self.edge_ms.get("first", 0.0) + self.edge_ms.get("last", 0.0)
+    ms += edge * slowdown[busy].max(initial=0.0)
     return ms / 1e3
 
   @staticmethod

@@ -20,6 +20,11 @@ from semijax.core import resize as resize_lib
 from semijax.core import sharding
 
 
+def _paths(names: tuple) -> nnx.filterlib.Filter:
+  """The NNX filter of the variables under any of the top-level modules `names`."""
+  return nnx.Any(*(nnx.PathContains(p) for p in names))
+
+
 class StepFunctions:
   """The traceable functions of one model on one mesh: loss, gradients and steps on padded
   parameters and a batch split over `data`.
@@ -42,16 +47,22 @@ class StepFunctions:
 
   def _model_terms(self, params, batch, plan) -> dict:
     """This device's loss terms on its rows of `batch`, invariant over `tensor`; under a plan
-    that may drain a device, a drained device skips the head and the loss (`core.repeated`)."""
+    that may drain a device, a drained device skips the embedding, the head and the loss
+    (`core.repeated`)."""
     model = nnx.merge(self.graphdef, params)
     inputs = batch[self.input_key]
     if not repeated.drains(plan):
       return self.loss_terms(model(inputs, plan), batch)
-    x = model.encoder.run_blocks(model.stem(inputs), plan)
-    graphdef, head, rest = nnx.split(
-        model, nnx.Any(*(nnx.PathContains(p) for p in model.head_paths)), ...)
-    terms = lambda x, head: self.loss_terms(nnx.merge(graphdef, head, rest).head_out(x), batch)
-    return repeated.head_terms(terms, x, head, plan)
+    # The stem's and the head's parameters (shared, where the head is tied to the embedding)
+    # enter both conds, cast once to vary like the batch (`mesh.vary_alike`).
+    graphdef, head, stem, rest = nnx.split(model, _paths(model.head_paths),
+                                           _paths(model.stem_paths), ...)
+    parts = mesh_lib.vary_alike((head, stem), (*mesh_lib.varying_axes(inputs), mesh_lib.TENSOR))
+    part = lambda parts: nnx.merge(graphdef, *parts, rest)
+    x = repeated.stem(lambda inputs, parts: part(parts).stem(inputs), inputs, parts, plan)
+    x = model.encoder.run_blocks(x, plan)
+    terms = lambda x, parts: self.loss_terms(part(parts).head_out(x), batch)
+    return repeated.head_terms(terms, x, parts, plan)
 
   def _local_terms(self, params, batch, plan):
     return jax.lax.psum(self._model_terms(params, batch, plan), mesh_lib.DATA)

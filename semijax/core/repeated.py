@@ -1,22 +1,29 @@
 """The work every tensor device repeats, which a drained device skips.
 
-Outside the blocks, tensor parallelism repeats the model's unsplit work on every device of a
-tensor group: the final LayerNorm, the head GEMM over the vocabulary or the classes, and the
-loss (`core.spec.ModelSpec.edge_flops`'s "last" part, the largest repeated work). A device that
-owns no unit of any kind (a drained device, `core.layout.Layout.drained`) has no use for it: under
-a plan that may drain (`drains`), `head_terms` runs it in a `lax.cond` whose other branch returns
-zeros, so a drained device at 1% speed no longer holds the step for it.
+Outside the split work of the blocks, tensor parallelism repeats the model's unsplit work on
+every device of a tensor group: the embedding, each block's norms, the final norm, the head GEMM
+over the vocabulary or the classes, and the loss (`core.spec.ModelSpec.edge_flops`). A device
+that owns no unit of any kind (a drained device, `core.layout.Layout.drained`) has no use for
+it. Under a plan that may drain (`drains`), each piece runs in a `lax.cond` (`on_busy`) whose
+other branch returns zeros, so a drained device at 1% speed no longer holds the step for it:
+
+  * `stem`: the embedding, on busy devices only;
+  * `normed`: a block's norm, on the devices that own units of the kind that reads it (a device
+    with no heads skips the attention's norm even if it owns MLP units);
+  * `head_terms`: the final norm, the head and the loss, on busy devices only.
 
 Exact: the loss terms every device returns are those of the lowest-indexed busy device (the
 *leader*), summed with zeros over `tensor`. The other busy devices compute the same head; only
-the leader's reaches the loss, so the gradients of the head's parameters and of the last block's
-output, summed over `tensor` (the transpose of using an invariant value on varying devices), are
-the leader's alone: the same values as a plan that cannot drain, added to zeros.
+the leader's reaches the loss. A drained device's residual stream (zeros plus the blocks'
+all-reduced outputs) reaches nothing, and its gradients are zeros: every gradient, summed over
+`tensor` (the transpose of using an invariant value on varying devices), is the same value as
+under a plan that cannot drain, up to the order of the float additions.
 
-What a drained device still computes: the embedding (a table lookup), each block's LayerNorms and
-residual adds (elementwise, on activations it receives from the all-reduces), and, outside the
-sharded computation, the optimizer's update of the replicated parameters (elementwise). The
-emulated slowdown charges it the embedding only (`core.emulation.Emulator`).
+What a drained device still computes: each block's residual and bias adds (elementwise, on the
+activations it receives from the all-reduces, which it takes part in with zeros) and, outside
+the sharded computation, the optimizer's update of the replicated parameters (elementwise; the
+update runs on global arrays, so every copy of a replicated parameter stays equal). The emulated
+slowdown charges it neither (`core.emulation.Emulator`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from semijax.core import mesh as mesh_lib
 from semijax.core.plan import Plan
@@ -41,6 +49,53 @@ def busy(plan: Plan) -> jax.Array:
   return sum(jnp.sum(a) for a in plan.active.values()) > 0
 
 
+def on_busy(fn: Callable, here: jax.Array, *operands):
+  """`fn(*operands)` on the devices where `here` (bool [], varying over `tensor`) holds, zeros of
+  its shapes elsewhere, in a `lax.cond`. The operands are cast outside the cond to vary alike
+  (`mesh.vary_alike`), so the transposes of the casts, all-reduces, stay outside it too.
+
+  Returns `fn`'s pytree, varying over `tensor` (and whatever the operands vary over).
+  """
+  operands = mesh_lib.vary_alike(operands, (mesh_lib.TENSOR,))
+  axes = tuple(sorted(frozenset((mesh_lib.TENSOR,)).union(
+      *(mesh_lib.varying_axes(a) for a in jax.tree.leaves(operands)))))
+  run = lambda *a: jax.tree.map(lambda t: mesh_lib.vary(t, axes), fn(*a))
+  zeros = lambda *a: jax.tree.map(lambda s: mesh_lib.vary(jnp.zeros(s.shape, s.dtype), axes),
+                                  jax.eval_shape(fn, *a))
+  return jax.lax.cond(here, run, zeros, *operands)
+
+
+def stem(fn: Callable, inputs, params, plan: Plan):
+  """`fn(inputs, params)`: the embedding of the batch's `inputs` with the stem's parameters
+  `params` (replicated), skipped by drained devices under a plan that `drains` (zeros there:
+  a drained device's residual stream reaches nothing, `head_terms` skips it).
+
+  Returns [batch, seq, d_model] in the compute dtype; under a plan that drains, varying over
+  `tensor` (each busy device holds the same values).
+  """
+  if not drains(plan):
+    return fn(inputs, params)
+  return on_busy(fn, busy(plan), inputs, params)
+
+
+def normed(norm, x: jax.Array, plan: Plan, kind: str) -> jax.Array:
+  """`norm(x)` for the block of `kind` ("heads" or "mlp") that reads it: a device that owns no
+  unit of `kind` in this layer (under a plan that compiles the width 0 for it, without offload)
+  skips the norm, since its partial block of width 0 never reads its input.
+
+  Args:
+    norm: an NNX module (a LayerNorm or an RMSNorm) replicated over `tensor`.
+    x: [batch, seq, d_model], the residual stream.
+    plan: the layer's local plan (`Plan.layer`).
+
+  Returns `norm(x)`; zeros on the devices that skip it (varying over `tensor` then).
+  """
+  if plan.offload is not None or 0 not in plan.widths_of(kind):
+    return norm(x)
+  graphdef, state = nnx.split(norm)
+  return on_busy(lambda x, s: nnx.merge(graphdef, s)(x), plan.active[kind][0] > 0, x, state)
+
+
 def head_terms(fn: Callable, x: jax.Array, params, plan: Plan):
   """`fn(x, params)`: the head and the loss terms of the last block's output `x`
   [batch, seq, d_model] (replicated over `tensor`) with the head's parameters `params` (a pytree,
@@ -53,13 +108,7 @@ def head_terms(fn: Callable, x: jax.Array, params, plan: Plan):
   if not drains(plan):
     return fn(x, params)
   here = busy(plan)
-  # The differentiable inputs enter the cond as operands cast outside it (`mesh.vary_alike`).
-  x, params = mesh_lib.vary_alike((x, params), (mesh_lib.TENSOR,))
-  axes = (mesh_lib.DATA, mesh_lib.TENSOR)
-  run = lambda x, p: jax.tree.map(lambda t: mesh_lib.vary(t, axes), fn(x, p))
-  zeros = lambda x, p: jax.tree.map(lambda s: mesh_lib.vary(jnp.zeros(s.shape, s.dtype), axes),
-                                    jax.eval_shape(fn, x, p))
-  out = jax.lax.cond(here, run, zeros, x, params)
+  out = on_busy(fn, here, x, params)
   index = jax.lax.axis_index(mesh_lib.TENSOR)
   size = jax.lax.axis_size(mesh_lib.TENSOR)
   leader = jax.lax.pmin(jnp.where(here, index, size), mesh_lib.TENSOR)

@@ -21,7 +21,8 @@ class GPT(nnx.Module):
   """
 
   input_key = "inputs"
-  # The modules `head_out` reads: a drained device skips them (`core.repeated`).
+  # The modules `stem` and `head_out` read: a drained device skips them (`core.repeated`).
+  stem_paths = ("embed", "pos")
   head_paths = ("ln_f", "head")
   FIELDS = ("vocab_size", "seq_len", "d_model", "num_heads", "d_ff", "num_layers")
   loss_terms = staticmethod(tasks.language_model)

@@ -24,6 +24,7 @@ from flax import nnx
 from semijax.core import kernels
 from semijax.core import plan as plan_lib
 from semijax.core import precision as precision_lib
+from semijax.core import repeated
 from semijax.core import tp
 
 Precision = precision_lib.Precision
@@ -116,8 +117,10 @@ class Block(nnx.Module):
     self.mlp = MLP(d_model, d_ff, precision=precision, rngs=rngs)
 
   def __call__(self, x, plan: plan_lib.Plan):
-    x = x + self.attn(self.ln1(x), plan)
-    return x + self.mlp(self.ln2(x), plan)
+    """x: [batch, seq, d_model] -> the same. A device that owns no unit of a kind skips that
+    kind's LayerNorm (`core.repeated.normed`)."""
+    x = x + self.attn(repeated.normed(self.ln1, x, plan, "heads"), plan)
+    return x + self.mlp(repeated.normed(self.ln2, x, plan, "mlp"), plan)
 
 
 class Encoder(nnx.Module):

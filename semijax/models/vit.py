@@ -28,7 +28,8 @@ class ViT(nnx.Module):
   """
 
   input_key = "images"
-  # The modules `head_out` reads: a drained device skips them (`core.repeated`).
+  # The modules `stem` and `head_out` read: a drained device skips them (`core.repeated`).
+  stem_paths = ("patch", "cls", "pos")
   head_paths = ("ln_f", "head")
   FIELDS = ("image_size", "patch_size", "channels", "num_classes", "d_model", "num_heads", "d_ff",
             "num_layers")

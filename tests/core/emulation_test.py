@@ -47,19 +47,19 @@ def test_delay_is_the_sum_over_blocks_of_the_slowest_device():
 
 def test_repeated_work_is_charged_on_the_slowest_device_that_runs_it():
   # 3 devices, 1 layer, speeds slowed (1, 2, 100): device 2 owns units (3 MLP, 1 head), then
-  # none (drained). The embedding (5 ms) runs everywhere: 5 * 100 = 500 either way. The head and
-  # loss (7 ms): 7 * 100 = 700 while device 2 runs blocks, 7 * 2 = 14 once it is drained.
+  # none (drained). The embedding (5 ms) and the head and loss (7 ms): (5 + 7) * 100 = 1200
+  # while device 2 runs blocks, (5 + 7) * 2 = 24 once it is drained.
   # Blocks: max(4, 4 * 2, 3 * 100) = 300 (mlp) + max(10, 10 * 2, 10 * 100) = 1000 (heads),
   # then max(6, 6 * 2, 0) = 12 + max(10 * 2, 10 * 2 * 2, 0) = 40.
   emu = emulation.Emulator(emulation.Hetero((1.0, 2.0, 100.0)), {"mlp": 1.0, "heads": 10.0},
                            {"first": 5.0, "last": 7.0})
   owning = {"mlp": np.array([[4], [4], [3]]), "heads": np.array([[1], [1], [1]])}
   drained = {"mlp": np.array([[6], [6], [0]]), "heads": np.array([[2], [2], [0]])}
-  assert emu.delay_s(0, owning) == pytest.approx((300 + 1000 + 500 + 700) / 1e3)
-  assert emu.delay_s(0, drained) == pytest.approx((12 + 40 + 500 + 14) / 1e3)
-  # A device with heads but no MLP units is not drained: it still runs the head.
+  assert emu.delay_s(0, owning) == pytest.approx((300 + 1000 + 1200) / 1e3)
+  assert emu.delay_s(0, drained) == pytest.approx((12 + 40 + 24) / 1e3)
+  # A device with heads but no MLP units is not drained: it still runs the embedding and head.
   half = {"mlp": np.array([[6], [6], [0]]), "heads": np.array([[1], [1], [1]])}
-  assert emu.delay_s(0, half) == pytest.approx((12 + 1000 + 500 + 700) / 1e3)
+  assert emu.delay_s(0, half) == pytest.approx((12 + 1000 + 1200) / 1e3)
 
 def test_unit_ms_charges_forward_and_backward():
   # mlp: 4e3 forward FLOPs a token x 1000 tokens = 4e6; with the backward's 8e6, 1.2e7 FLOPs at

@@ -3,6 +3,8 @@
   * under a plan that may drain, a toy head runs only on the busy devices (a debug callback
     records who ran it), and the loss and gradients are the dense ones, for any set of drained
     devices; under a plan that cannot drain, every device runs it;
+  * likewise a toy stem (only busy devices embed), and a toy norm (only the devices that own
+    units of the norm's kind run it);
   * in the engine, a layout compiled with the width 0 (the draining path) trains exactly like the
     same layout compiled without it: same loss and gradients.
 """
@@ -18,6 +20,7 @@ from semijax.core import layout as L
 from semijax.core import mesh as mesh_lib
 from semijax.core import plan as plan_lib
 from semijax.core import repeated
+from flax import nnx
 
 DATA, N = 2, 4
 
@@ -67,6 +70,70 @@ def test_only_busy_devices_run_the_head_and_the_gradients_are_dense(counts):
 def test_every_device_runs_the_head_under_a_plan_that_cannot_drain():
   _, _, ran, _ = _toy((2, 2, 2, 2), (1, 2, 4))
   assert sorted(ran) == sorted(list(range(N)) * DATA)
+
+
+class _Scale(nnx.Module):
+  """A toy norm: x * scale, recording (debug callback) which tensor device ran it."""
+
+  def __init__(self, width: int, record):
+    self.scale = nnx.Param(jnp.linspace(0.5, 1.5, width))
+    self.record = record
+
+  def __call__(self, x):
+    jax.debug.callback(self.record, jax.lax.axis_index(mesh_lib.TENSOR))
+    return x * self.scale[...]
+
+
+def _toy_norm(counts, other, widths, which):
+  """(loss, (d scale, dx), devices that ran it) of a toy norm of kind "mlp" through `normed`
+  (which="norm") or `stem` (which="stem"); the loss weighs device d's sum of squares by its
+  "mlp" count, so a device that skips the norm must add zeros."""
+  mesh = mesh_lib.make_mesh(DATA, N)
+  ran = []
+  put = lambda a: mesh_lib.put(np.asarray(a, np.int32), mesh, P(mesh_lib.TENSOR))
+  plan = plan_lib.Plan({"mlp": put(counts), "heads": put(other)},
+                       (("mlp", widths), ("heads", widths)))
+  graphdef, state = nnx.split(_Scale(8, lambda i: ran.append(int(i))))
+
+  def local(x, state, plan):
+    if which == "norm":
+      h = repeated.normed(nnx.merge(graphdef, state), x, plan, "mlp")
+    else:
+      h = repeated.stem(lambda x, s: nnx.merge(graphdef, s)(x), x, state, plan)
+    c = plan.active["mlp"][0].astype(h.dtype)
+    return jax.lax.psum(c * jnp.sum(h ** 2), (mesh_lib.DATA, mesh_lib.TENSOR))
+
+  def loss(state, x):
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(mesh_lib.DATA), P(), plan_lib.plan_specs(
+        plan)), out_specs=P())(x, state, plan)
+
+  x = jax.random.normal(jax.random.key(1), (6, 8))
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x)
+  jax.effects_barrier()
+  dense = lambda scale, x: sum(counts) * jnp.sum((x * scale) ** 2)
+  ref_value, ref_grads = jax.value_and_grad(dense, argnums=(0, 1))(state["scale"][...], x)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+  np.testing.assert_allclose(grads[0]["scale"][...], ref_grads[0], rtol=1e-5)
+  np.testing.assert_allclose(grads[1], ref_grads[1], rtol=1e-5)
+  return sorted(ran)
+
+
+@pytest.mark.parametrize("counts,other", [((2, 0, 1, 1), (1, 1, 1, 1)),
+                                          ((0, 0, 0, 4), (0, 2, 0, 2))])
+def test_only_the_devices_owning_a_kind_run_its_norm(counts, other):
+  ran = _toy_norm(counts, other, (0, 1, 2, 4), "norm")
+  assert ran == sorted([d for d, c in enumerate(counts) if c > 0] * DATA)
+
+
+@pytest.mark.parametrize("counts,other", [((2, 0, 1, 1), (1, 0, 1, 1)),
+                                          ((0, 0, 0, 4), (0, 2, 0, 2))])
+def test_only_busy_devices_run_the_stem(counts, other):
+  ran = _toy_norm(counts, other, (0, 1, 2, 4), "stem")
+  assert ran == sorted([d for d, (c, o) in enumerate(zip(counts, other)) if c + o > 0] * DATA)
+
+
+def test_every_device_runs_the_norm_without_the_width_zero():
+  assert _toy_norm((2, 2, 1, 1), (1, 1, 1, 1), (1, 2, 4), "norm") == sorted(list(range(N)) * DATA)
 
 
 def test_the_draining_path_trains_like_the_plain_one():
