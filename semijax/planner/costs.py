@@ -12,16 +12,21 @@ sequence). Parameter counts follow `semijax.models`:
 
   unit_params   mlp: a column of w1, its bias, a row of w2 (2 d + 1);
                 heads: head_dim columns of wq, wk, wv, their biases, head_dim rows of wo
-                (4 d hd + 3 hd);
+                (4 d hd + 3 hd); a Llama's (`ModelSpec.unit_params`): an MLP unit a column of
+                w_gate and of w_up and a row of w_down (3 d), a KV group (its "heads" unit) of
+                g query heads g hd columns of wq and rows of wo and hd columns of wk and of wv
+                (2 (g + 1) d hd), no biases;
   layer_params  what every tensor device of a stage holds per layer: two LayerNorms (scale and
-                bias) and the two output biases (6 d);
+                bias) and the two output biases (6 d); a Llama's two RMSNorm scales (2 d);
   first_params  the embedding (replicated over tensor, and in the pipelined engine over the
                 stages too, its gradient all-reduced over them): GPT token and position
                 embeddings ((vocab + seq_len) d); ViT patch projection, class token and
                 positions ((p^2 C + 1) d + d + (patches + 1) d);
   last_params   the final LayerNorm and the head (replicated like the embedding): GPT
                 2 d + d vocab (the head has no bias and is not tied to the embedding), ViT
-                2 d + d classes + classes.
+                2 d + d classes + classes; Llama: embedding vocab d first, final RMSNorm and
+                head d + d vocab last (d alone when the head is tied to the embedding, which
+                the first stage counts).
 
 The embedding and the head (with the final norm and the loss) are not split over `tensor`:
 every device of the first stage runs the embedding whole for each microbatch, every device of
@@ -133,22 +138,27 @@ class ModelCosts:
                 mu_dtype: str = "") -> "ModelCosts":
     """The costs of a `semijax.models` model ("gpt" or "vit"), in its precision, trained with
     Adam's first moment in `mu_dtype` ("": the parameters' dtype)."""
-    d, hd, f = spec.d_model, spec.head_dim, spec.kwargs
+    d, f = spec.d_model, spec.kwargs
+    layer_params = 6 * d         # two LayerNorms and the output biases
     if spec.name == "gpt":
       first = (f["vocab_size"] + spec.seq_len) * d
       last = 2 * d + d * f["vocab_size"]
+    elif spec.name == "llama":   # the embedding; the final RMSNorm and the head (none if tied)
+      first = f["vocab_size"] * d
+      last = d + (0 if f["tie_embeddings"] else d * f["vocab_size"])
+      layer_params = 2 * d       # two RMSNorms
     elif spec.name == "vit":
       patch_in = f["patch_size"] ** 2 * f["channels"]
       first = (patch_in + 1) * d + d + spec.seq_len * d
       last = 2 * d + d * f["num_classes"] + f["num_classes"]
     else:
-      raise ValueError(f"spec.name: the planner knows the parameters of 'gpt' and 'vit', got "
-                       f"{spec.name!r}")
+      raise ValueError(f"spec.name: the planner knows the parameters of 'gpt', 'vit' and "
+                       f"'llama', got {spec.name!r}")
     edge = spec.edge_flops()
     return cls(num_layers=spec.num_layers, d_model=d, seq_len=spec.seq_len,
                num_units=dict(spec.num_units()), flops_per_unit=dict(spec.flops_per_unit()),
-               unit_params={"mlp": 2 * d + 1, "heads": 4 * d * hd + 3 * hd},
-               layer_params=6 * d, first_params=first, last_params=last,
+               unit_params=dict(spec.unit_params()),
+               layer_params=layer_params, first_params=first, last_params=last,
                device_gflops=float(device_gflops), first_flops=edge["first"],
                last_flops=edge["last"], nbytes=StateBytes.of(spec.precision, mu_dtype))
 

@@ -149,7 +149,7 @@ def _move_seconds(hw: hardware_lib.Hardware, workload: workload_lib.Workload, la
 
 def _layout(spec, n: int, counts: dict | None, num_widths: int) -> layout_lib.Layout:
   counts = counts or {}
-  return layout_lib.Layout.for_model(d_model=spec.d_model, num_heads=spec.num_heads,
+  return layout_lib.Layout.for_model(d_model=spec.d_model, num_heads=spec.num_units()["heads"],
                                      d_ff=spec.d_ff, num_devices=n,
                                      mlp=counts.get("mlp", "even"),
                                      heads=counts.get("heads", "even"), num_widths=num_widths)

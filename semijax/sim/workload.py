@@ -85,10 +85,10 @@ class Workload:
     return self.tokens_per_replica // self.microbatches
 
   def unit_params(self) -> dict:
-    """{kind: parameters of one unit in one layer}: an MLP unit's column of w1, bias and row of
-    w2; a head's head_dim columns of Q, K, V with their biases and head_dim rows of wo."""
-    d, hd = self.spec.d_model, self.spec.head_dim
-    return {"mlp": 2 * d + 1, "heads": 4 * d * hd + 3 * hd}
+    """{kind: parameters of one unit in one layer} (`ModelSpec.unit_params`): an MLP unit's
+    column of w1, bias and row of w2; a head's head_dim columns of Q, K, V with their biases and
+    head_dim rows of wo (a Llama's: a KV group's, no biases)."""
+    return self.spec.unit_params()
 
   def unit_bytes(self) -> dict:
     """{kind: bytes of one unit's weights over all layers in the compute dtype: what a block

@@ -459,12 +459,12 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
                       f"* processes = {mesh.data} * {process_count}")
   try:
     layout = layout_lib.Layout.for_model(
-        d_model=spec.d_model, num_heads=spec.num_heads, d_ff=spec.d_ff, num_devices=mesh.tensor,
-        mlp=parse_counts(config.layout.mlp, "config.layout.mlp"),
+        d_model=spec.d_model, num_heads=spec.num_units()["heads"], d_ff=spec.d_ff,
+        num_devices=mesh.tensor, mlp=parse_counts(config.layout.mlp, "config.layout.mlp"),
         heads=parse_counts(config.layout.heads, "config.layout.heads"),
         num_widths=_int(config.layout.num_widths, "layout.num_widths"))
   except LayoutError as e:
-    raise ConfigError(f"config.{e}") from None
+    raise ConfigError(f"config.{e}{heads_note(spec, str(e))}") from None
   slowdown = parse_numbers(config.hetero.slowdown, "config.hetero.slowdown") or None
   hetero = emulation.Hetero(slowdown, config.hetero.device_gflops, config.hetero.rotate_every,
                             config.hetero.repeated).validate(mesh.tensor)
@@ -529,7 +529,7 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
     raise ConfigError(f"config.mesh.pipe: {mesh.pipe} stages for {spec.num_layers} layers")
   capacity = _int(config.pipeline.layer_capacity, "pipeline.layer_capacity", 0)
   units = {}
-  for kind, total in (("mlp", spec.d_ff), ("heads", spec.num_heads)):
+  for kind, total in spec.num_units().items():
     counts = parse_counts(config.layout[kind], f"config.layout.{kind}")
     if counts != "even" and not plan:
       if len(counts) == mesh.tensor:
@@ -543,7 +543,8 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
       for p, c in enumerate(counts):
         if sum(c) != total or min(c) < 0:
           raise ConfigError(f"config.layout.{kind}: stage {p} has counts {c}; each must be >= 0 "
-                            f"and they must sum to the model's {total}")
+                            f"and they must sum to the model's {total}"
+                            f"{heads_note(spec, 'layout.' + kind)}")
     units[kind] = counts
   devices = _devices(config.hetero, mesh, num_devices, bool(plan))
   g = config.hetero.device_gflops
@@ -567,8 +568,9 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                           _int(config.layout.num_widths, "layout.num_widths"), plan, sizes,
                           schedules, devices, float(memory), syncs)
   optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer)
-  layout = layout_lib.Layout.for_model(d_model=spec.d_model, num_heads=spec.num_heads,
-                                       d_ff=spec.d_ff, num_devices=1)
+  layout = layout_lib.Layout.for_model(d_model=spec.d_model,
+                                       num_heads=spec.num_units()["heads"], d_ff=spec.d_ff,
+                                       num_devices=1)
   hetero = emulation.Hetero(None, float(g), 0)
   resize = resize_spec_lib.ResizeSpec().validate(1)
   known = {f.name for f in dataclasses.fields(settings_lib.BalanceSettings)}
@@ -736,11 +738,21 @@ def _balance(config, hetero: emulation.Hetero, resize: resize_spec_lib.ResizeSpe
   return settings
 
 
+def heads_note(spec: spec_lib.ModelSpec, message: str) -> str:
+  """What a refusal about `layout.heads` adds for a model with grouped-query attention, whose
+  "heads" units are KV groups; "" otherwise."""
+  if not spec.num_kv_heads or not message.startswith("layout.heads"):
+    return ""
+  return (f" (for model {spec.name!r}, layout.heads counts KV groups: model.num_kv_heads = "
+          f"{spec.num_kv_heads})")
+
+
 def speed_proportional(config, slowdown) -> ml_collections.ConfigDict:
   """A copy of `config` whose layout gives each tensor device units in proportion to its speed."""
   out = copy.deepcopy(config)
   speeds = [1.0 / s for s in slowdown]
   with out.unlocked():
     out.layout.mlp = layout_lib.proportional_counts(config.model.d_ff, speeds)
-    out.layout.heads = layout_lib.proportional_counts(config.model.num_heads, speeds)
+    heads = config.model.get("num_kv_heads", config.model.num_heads)   # KV groups, if any
+    out.layout.heads = layout_lib.proportional_counts(heads, speeds)
   return out

@@ -70,7 +70,8 @@ def _configured(run: config_lib.RunConfig) -> planner_plan.Plan:
   units = []
   for s in range(m.pipe):
     stage = {}
-    for kind, total, counts in (("mlp", spec.d_ff, p.mlp), ("heads", spec.num_heads, p.heads)):
+    for kind, total in spec.num_units().items():     # heads: KV groups with grouped queries
+      counts = p.mlp if kind == "mlp" else p.heads
       stage[kind] = layout_lib.even_counts(total, m.tensor) if counts == "even" else counts[s]
     units.append(stage)
   return planner_plan.Plan(data=m.data, pipe=m.pipe, tensor=m.tensor,
@@ -161,7 +162,7 @@ def pipe_layout(plan: planner_plan.Plan, spec, layer_capacity: int = 0) -> pipel
     stages.append([layout_lib.UnitLayout.from_counts(kind, c, capacity=widths[-1], widths=widths)
                    for c in counts])
   units = [layout_lib.Layout(mlp=m, heads=h) for m, h in zip(*stages)]
-  if spec.num_units() != {"mlp": spec.d_ff, "heads": spec.num_heads}:
+  if set(spec.num_units()) != {"mlp", "heads"}:
     raise ConfigError(f"config.model: the pipeline knows kinds mlp and heads, got "
                       f"{sorted(spec.num_units())}")
   cap = layer_capacity or max(plan.stage_layers)

@@ -7,8 +7,8 @@
   * a ZERO-resized step (units and contraction modes) matches the reference on the dense
     equivalent (the skipped units or features zeroed);
   * an uneven split trains like the even one, and a migration mid-run like the run without it;
-  * the spec counts KV groups as the "heads" units, SwiGLU's three matrices and GQA's smaller K
-    and V in its FLOPs and parameters; bad fields are refused by name.
+  * the spec (and the planner's costs) count KV groups as the "heads" units, SwiGLU's three
+    matrices and GQA's smaller K and V in FLOPs and parameters; bad fields are refused by name.
 """
 
 import jax
@@ -32,6 +32,7 @@ from semijax.core import sharding
 from semijax.errors import ConfigError
 from semijax.models import llama
 from semijax.models import tasks
+from semijax.planner import costs as planner_costs
 
 KW = dict(vocab_size=64, seq_len=8, d_model=32, num_heads=8, num_kv_heads=4, d_ff=48,
           num_layers=2)
@@ -292,6 +293,16 @@ def test_the_spec_counts_kv_groups_swiglu_and_gqa():
   forward = KW["num_layers"] * (48 * 6 * d + 4 * (2 * d * hd * 6 + 2 * 2 * 2 * s * hd / 2))
   forward += 4 * d + 2 * d * v + 5 * v
   assert flops.forward_flops_per_token(spec) == pytest.approx(forward)
+  # The planner's costs hold the same counts, and its parameters add up to the model's.
+  costs = planner_costs.ModelCosts.from_spec(spec, device_gflops=1.0)
+  assert costs.num_units == spec.num_units() and costs.unit_params == spec.unit_params()
+  assert costs.flops_per_unit == spec.flops_per_unit()
+  total = (KW["num_layers"] * (costs.layer_params + sum(
+      costs.unit_params[k] * n for k, n in costs.num_units.items()))
+      + costs.first_params + costs.last_params)
+  assert total == sum(x.size for x in jax.tree.leaves(logical))
+  tied = models.spec("llama", dict(KW, tie_embeddings=True))
+  assert planner_costs.ModelCosts.from_spec(tied, 1.0).last_params == d
   # The GPT's spec is unchanged by the new fields.
   gpt = models.spec("gpt", H.GPT_KW)
   assert gpt.num_units() == {"mlp": 48, "heads": 8} and gpt.unit_sizes()["heads"] == 4
