@@ -18,6 +18,7 @@ from flax import nnx
 
 from semijax.core import kernels_llama
 from semijax.core import plan as plan_lib
+from semijax.core import repeated
 from semijax.core import tp
 from semijax.models import layers
 
@@ -85,7 +86,8 @@ class GroupedAttention(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x)). A device that owns no unit of
+  a kind skips that kind's norm (`core.repeated.normed`)."""
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, d_ff: int, *,
                precision: Precision, rngs: nnx.Rngs):
@@ -96,8 +98,9 @@ class Block(nnx.Module):
     self.mlp = SwiGLU(d_model, d_ff, precision=precision, rngs=rngs)
 
   def __call__(self, x, plan: plan_lib.Plan):
-    x = x + self.attn(self.attn_norm(x), plan)
-    return x + self.mlp(self.mlp_norm(x), plan)
+    """x: [batch, seq, d_model] -> the same."""
+    x = x + self.attn(repeated.normed(self.attn_norm, x, plan, "heads"), plan)
+    return x + self.mlp(repeated.normed(self.mlp_norm, x, plan, "mlp"), plan)
 
 
 class Encoder(nnx.Module):
