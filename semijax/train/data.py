@@ -35,7 +35,7 @@ from semijax.train import tokens as tokens_lib
 
 TEXT_DATA = ("pydoc", "stdlib", "text_file", "tokens")
 IMAGE_DATA = ("digits", "npy")
-MODELS = {"gpt": TEXT_DATA, "vit": IMAGE_DATA}
+MODELS = {"gpt": TEXT_DATA, "llama": TEXT_DATA, "vit": IMAGE_DATA}
 
 # --- sources --------------------------------------------------------------------------------
 
@@ -465,7 +465,7 @@ class DataSpec:
   """What a run's data set is (`config.data` with the model fields and batch it depends on).
 
   Attributes:
-    model: "gpt" (text) or "vit" (images): which data sets apply (`MODELS`).
+    model: "gpt" or "llama" (text) or "vit" (images): which data sets apply (`MODELS`).
     name: the data set (`TEXT_DATA` or `IMAGE_DATA`).
     batch_size: the GLOBAL batch; seed: data order.
     val_fraction: held-out share for validation.
@@ -578,7 +578,8 @@ def _build_images(spec: DataSpec, process_index: int, process_count: int) -> Ima
 
 
 def build(spec: DataSpec, process_index: int = 0, process_count: int = 1):
-  """The dataset `spec` describes: a TextDataset for model "gpt", an ImageDataset for "vit".
+  """The dataset `spec` describes: a TextDataset for a language model ("gpt", "llama"), an
+  ImageDataset for "vit".
 
   Args:
     spec: the run's `DataSpec` (`config.validate` builds it; `DataSpec.from_config` too).
@@ -589,6 +590,6 @@ def build(spec: DataSpec, process_index: int = 0, process_count: int = 1):
     The dataset, with this process's rows of every batch.
   """
   _local_rows(spec.batch_size, process_index, process_count)
-  if spec.model == "gpt":
+  if MODELS[spec.model] is TEXT_DATA:
     return _build_text(spec, process_index, process_count)
   return _build_images(spec, process_index, process_count)
