@@ -1,4 +1,6 @@
-"""semijax's training step against the same GPT written plainly in JAX (`benchmarks/plain_gpt.py`).
+"""semijax's training step against the same model written plainly in JAX: the GPT
+(`benchmarks/plain_gpt.py`) or, with `model="llama"`, the Llama (`benchmarks/plain_llama.py`,
+`kv_heads` key/value heads; its "heads" units are KV groups).
 
 Three programs per precision, each a full training step (forward, backward, AdamW with the
 same `semijax.train.optimizer` settings), from the same initial parameters, on the same batch:
@@ -31,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import mfu
 from benchmarks import plain_gpt
+from benchmarks import plain_llama
 from benchmarks import report
 from semijax import models
 from semijax.core import engine as engine_lib
@@ -42,6 +45,7 @@ from semijax.errors import ConfigError
 from semijax.train import optimizer as optimizer_lib
 
 PRECISIONS = ("float32", "bfloat16")
+MODELS = {"gpt": plain_gpt, "llama": plain_llama}
 PROGRAMS = ("plain", "even", "uneven")
 VOCAB = 256
 WARM_STEPS = 3
@@ -54,6 +58,8 @@ class Settings:
 
   precision: tuple[str, ...] = PRECISIONS
   attention: str = "auto"
+  model: str = "gpt"
+  kv_heads: int = 0          # llama: key/value heads (0: as many as heads); gpt: 0
   d_model: int = 128
   d_ff: int = 512
   heads: int = 16
@@ -85,14 +91,25 @@ class Settings:
                  "rounds"):
       if getattr(self, name) < 1:
         raise ConfigError(f"--{name}: must be >= 1, got {getattr(self, name)}")
+    if self.model not in MODELS:
+      raise ConfigError(f"--model: {self.model!r} is not one of {tuple(MODELS)}")
     if self.d_model % self.heads:
       raise ConfigError(f"--heads: {self.heads} heads do not divide --d_model={self.d_model}")
+    if self.kv_heads and self.model != "llama":
+      raise ConfigError(f"--kv_heads: the {self.model} has no key/value groups; give it with "
+                        "--model=llama")
+    if self.model == "llama":
+      try:
+        spec(self, "float32")
+      except ConfigError as e:
+        raise ConfigError(f"--{_flag(e)}: {str(e).split(': ', 1)[1]}") from None
     if self.tensor > device_count:
       raise ConfigError(f"--tensor: {self.tensor} devices, but only {device_count} are "
                         "available")
-    if min(self.heads, self.d_ff) < self.tensor:
+    heads = self.kv_heads or self.heads       # the "heads" units: KV groups for a llama
+    if min(heads, self.d_ff) < self.tensor:
       raise ConfigError(f"--tensor: {self.tensor} devices cannot each own a head and an MLP "
-                        f"unit of --heads={self.heads}, --d_ff={self.d_ff}")
+                        f"unit of {heads} heads units, --d_ff={self.d_ff}")
     if self.batch % self.tensor:
       raise ConfigError(f"--batch: {self.batch} does not split over the plain program's "
                         f"{self.tensor} devices (--tensor)")
@@ -105,29 +122,48 @@ class Settings:
     return self
 
 
+# semijax's config field of each flag whose name differs.
+_FLAGS = {"num_heads": "heads", "num_kv_heads": "kv_heads", "num_layers": "layers"}
+
+
+def _flag(error: ConfigError) -> str:
+  """The flag of a `config.model.<field>: ...` refusal."""
+  field = str(error).split(":", 1)[0].rsplit(".", 1)[-1]
+  return _FLAGS.get(field, field)
+
+
 def spec(s: Settings, precision: str):
-  """semijax's ModelSpec of the benchmark's GPT in `precision` (master weights float32)."""
-  return models.spec("gpt", dict(vocab_size=VOCAB, seq_len=s.seq_len, d_model=s.d_model,
-                                 num_heads=s.heads, d_ff=s.d_ff, num_layers=s.layers,
-                                 dtype=precision, param_dtype="float32", attention=s.attention))
+  """semijax's ModelSpec of the benchmark's model in `precision` (master weights float32)."""
+  fields = dict(vocab_size=VOCAB, seq_len=s.seq_len, d_model=s.d_model, num_heads=s.heads,
+                d_ff=s.d_ff, num_layers=s.layers, dtype=precision, param_dtype="float32",
+                attention=s.attention)
+  if s.model == "llama":
+    fields["num_kv_heads"] = s.kv_heads or s.heads
+  return models.spec(s.model, fields)
 
 
 def layouts(s: Settings) -> dict:
   """{"even": the even split, "uneven": device 0 with `s.uneven` of the others' share}, both with
   `s.num_widths` compiled widths per kind."""
-  kw = dict(d_model=s.d_model, num_heads=s.heads, d_ff=s.d_ff, num_devices=s.tensor,
+  units = spec(s, "float32").num_units()      # heads: KV groups for a llama
+  kw = dict(d_model=s.d_model, num_heads=units["heads"], d_ff=s.d_ff, num_devices=s.tensor,
             num_widths=s.num_widths)
   speeds = (s.uneven,) + (1.0,) * (s.tensor - 1)
-  counts = {k: layout_lib.proportional_counts(n, speeds) for k, n in
-            (("mlp", s.d_ff), ("heads", s.heads))}
+  counts = {k: layout_lib.proportional_counts(n, speeds) for k, n in units.items()}
   return {"even": layout_lib.Layout.for_model(**kw),
           "uneven": layout_lib.Layout.for_model(**kw, **counts)}
 
 
-def plain_params(logical: dict) -> dict:
-  """semijax logical parameters (host arrays, `Engine.logical_arrays`) -> `plain_gpt`'s dict."""
+def plain_params(logical: dict, model: str = "gpt") -> dict:
+  """semijax logical parameters (host arrays, `Engine.logical_arrays`) -> `plain_gpt`'s dict
+  (`plain_llama`'s for model "llama")."""
   enc = logical["encoder"]
   blocks = [enc["blocks"][i] for i in sorted(enc["blocks"])]
+  if model == "llama":
+    return {"embed": logical["embed"]["embedding"], "head": logical["head"]["kernel"],
+            "final_norm": enc["final_norm"]["scale"],
+            "blocks": [{"attn_norm": b["attn_norm"]["scale"], "mlp_norm": b["mlp_norm"]["scale"],
+                        "attn": dict(b["attn"]), "mlp": dict(b["mlp"])} for b in blocks]}
   return {"embed": logical["embed"]["embedding"], "pos": logical["pos"],
           "head": logical["head"]["kernel"], "ln_f": dict(enc["ln_f"]),
           "blocks": [{"ln1": dict(b["ln1"]), "ln2": dict(b["ln2"]), "attn": dict(b["attn"]),
@@ -179,12 +215,12 @@ def plain_program(s: Settings, precision: str, engine, host_batch: dict) -> Prog
   mesh = jax.sharding.Mesh(devices, ("batch",))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
   logical = engine.logical_arrays(engine.init_logical(s.seed))
-  params = jax.device_put(plain_params(logical.params), replicated)
+  params = jax.device_put(plain_params(logical.params, s.model), replicated)
   tx = optimizer_lib.make(optimizer_lib.OptimizerSpec(), SCHEDULE_STEPS)
   opt_state = jax.device_put(tx.init(params), replicated)
   data = jax.device_put(host_batch, split)
   impl = spec(s, precision).precision.attention_impl(s.d_model // s.heads)
-  fn = jax.jit(lambda p, o, b: plain_gpt.train_step(
+  fn = jax.jit(lambda p, o, b: MODELS[s.model].train_step(
       p, o, b, tx=tx, num_heads=s.heads, dtype=jnp.dtype(precision), implementation=impl),
       donate_argnums=(0, 1), out_shardings=replicated)
 
@@ -225,7 +261,7 @@ def run(s: Settings) -> dict:
   for _ in range(s.rounds):
     for key, program in cells.items():
       round_ms[key].append(1e3 * float(np.median(time_round(program, s.steps))))
-  flops = mfu.step_flops(spec(s, "float32"), {"mlp": s.d_ff, "heads": s.heads},
+  flops = mfu.step_flops(spec(s, "float32"), spec(s, "float32").num_units(),
                          s.batch * s.seq_len, VOCAB)
   out_cells = []
   for (precision, name), ms in round_ms.items():

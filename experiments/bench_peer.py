@@ -1,6 +1,8 @@
-r"""semijax's training step against the same GPT written plainly in JAX, per precision.
+r"""semijax's training step against the same model written plainly in JAX, per precision.
 
   python experiments/bench_peer.py --out_dir=results/bench_peer              # any backend
+  python experiments/bench_peer.py --model=llama --kv_heads=4 \
+      --out_dir=results/bench_peer_llama                                      # the Llama
   JAX_PLATFORMS=cuda python experiments/bench_peer.py --d_model=768 --d_ff=3072 --heads=12 \
       --layers=12 --seq_len=1024 --batch=8                                    # GPT-2 small
 
@@ -12,7 +14,9 @@ at each --precision (float32 or bfloat16 compute, float32 master weights, float3
 loss). Reports the median ms/step over --rounds rounds of --steps steps with the rounds' min and
 max, model TFLOP/s and semijax / plain (`benchmarks/peer.py`). Writes --out_dir/bench_peer.
 {json,md}. The default shape is small enough for a CPU; with --tensor=N the semijax steps split
-over N devices and the plain step splits its batch over the same N.
+over N devices and the plain step splits its batch over the same N. --model=llama times the
+Llama (`benchmarks/plain_llama.py`: RMSNorm, SwiGLU with --d_ff hidden units, rotary embeddings,
+--kv_heads key/value heads shared by --heads query heads; its uneven step splits KV groups).
 """
 
 import os
@@ -36,6 +40,10 @@ _PRECISION = flags.DEFINE_multi_string(
 _ATTENTION = flags.DEFINE_enum("attention", _D.attention, list(precision_lib.ATTENTION),
                                "jax.nn.dot_product_attention's implementation (auto: cuDNN where "
                                "it applies).")
+_MODEL = flags.DEFINE_enum("model", _D.model, list(peer.MODELS), "The model: the GPT or the "
+                           "Llama.")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", _D.kv_heads, "--model=llama: key/value heads, "
+                                 "dividing --heads (0: as many as --heads).")
 _D_MODEL = flags.DEFINE_integer("d_model", _D.d_model, "Model width.")
 _D_FF = flags.DEFINE_integer("d_ff", _D.d_ff, "MLP hidden units.")
 _HEADS = flags.DEFINE_integer("heads", _D.heads, "Attention heads.")
@@ -55,7 +63,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", _D.rounds, "Interleaved rounds.")
 def settings() -> peer.Settings:
   """The flags as `peer.Settings` (not yet validated)."""
   precision = tuple(p.strip() for v in _PRECISION.value for p in v.split(",") if p.strip())
-  return peer.Settings(precision=precision, attention=_ATTENTION.value, d_model=_D_MODEL.value,
+  return peer.Settings(precision=precision, attention=_ATTENTION.value, model=_MODEL.value,
+                       kv_heads=_KV_HEADS.value, d_model=_D_MODEL.value,
                        d_ff=_D_FF.value, heads=_HEADS.value, layers=_LAYERS.value,
                        seq_len=_SEQ.value, batch=_BATCH.value, tensor=_TENSOR.value,
                        uneven=_UNEVEN.value, num_widths=_WIDTHS.value, steps=_STEPS.value,
@@ -71,8 +80,8 @@ def main(argv):
   paths = report.write(_OUT.value, "bench_peer", payload, table)
   ratios = ", ".join(f"{r['precision']}: even {r['even_over_plain']:.2f}x, uneven "
                      f"{r['uneven_over_plain']:.2f}x" for r in payload["ratios"])
-  print(f"{payload['device']} ({payload['backend']}), tensor={s.tensor}; semijax / plain: "
-        f"{ratios}\n{table}")
+  print(f"{payload['device']} ({payload['backend']}), {s.model}, tensor={s.tensor}; semijax / "
+        f"plain: {ratios}\n{table}")
   print(f"wrote {paths['json']} and {paths['md']}")
 
 
