@@ -1,7 +1,7 @@
 """The README demo as library functions (used by experiments/demo.py and the quickstart notebook).
 
-One tensor device is emulated `factor` times slower. `gpt_tiny:cpu` is trained three times with
-the same seed and data:
+One tensor device is emulated `factor` times slower. `gpt_tiny:cpu` (or another config, e.g.
+`llama_tiny:cpu`) is trained three times with the same seed and data:
   even          plain TP: every device owns the same share, the straggler holds everyone up;
   proportional  the oracle: a fixed split proportional to the (known) speeds;
   semi          SEMI-migration: starts from the even split, measures the speeds (a trial step at
@@ -26,10 +26,11 @@ from semijax.train import loop as train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "gpt_tiny.py:cpu")
 
 
 def configs(steps: int, slow_device: int = 3, factor: float = 4.0,
-            config_path: str = os.path.join(ROOT, "configs", "gpt_tiny.py:cpu")) -> dict:
+            config_path: str = DEFAULT_CONFIG) -> dict:
   """{"even", "proportional", "semi": config}, all with the same emulated straggler."""
   slowdown = tuple(factor if d == slow_device else 1.0 for d in range(NUM_DEVICES))
   even = config_lib.load(config_path)
@@ -106,10 +107,11 @@ def plot(results: dict, path: str, title: str = "") -> str | None:
   return path
 
 
-def main(steps: int, slow_device: int, factor: float, out_dir: str) -> dict:
-  """Runs all three, writes demo.json, demo.md and step_time.png to out_dir; returns the payload
-  (with the host's steal share over the three runs, `hostcpu`)."""
-  cfgs = configs(steps, slow_device, factor)
+def main(steps: int, slow_device: int, factor: float, out_dir: str,
+         config_path: str = DEFAULT_CONFIG) -> dict:
+  """Runs all three on `config_path`, writes demo.json, demo.md and step_time.png to out_dir;
+  returns the payload (with the host's steal share over the three runs, `hostcpu`)."""
+  cfgs = configs(steps, slow_device, factor, config_path)
   meter = hostcpu.StealMeter()
   results = {name: run(name, c) for name, c in cfgs.items()}
   payload, table = summarize(results, cfgs)
@@ -118,7 +120,8 @@ def main(steps: int, slow_device: int, factor: float, out_dir: str) -> dict:
   table += f"{note}\n" if note else ""
   paths = report.write(out_dir, "demo", payload, table)
   png = plot(results, os.path.join(out_dir, "step_time.png"),
-             f"GPT on {NUM_DEVICES} devices, device {slow_device} {factor:g}x slower")
+             f"{cfgs['even'].model.name} on {NUM_DEVICES} devices, device {slow_device} "
+             f"{factor:g}x slower")
   print("\n" + table)
   print("wrote " + ", ".join(list(paths.values()) + ([png] if png else [])))
   return payload

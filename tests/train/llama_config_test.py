@@ -1,11 +1,13 @@
 """configs/llama_tiny.py trains through the one training loop: its :cpu variant learns, a
-checkpoint restores onto another KV-group layout and device count exactly, and a layout.heads
-that does not count KV groups is refused by name, saying what it counts."""
+checkpoint restores onto another KV-group layout and device count exactly, a layout.heads that
+does not count KV groups is refused by name, saying what it counts, and the demo's three runs
+take it (the speed-proportional split counts KV groups)."""
 
 import numpy as np
 import pytest
 
 import helpers as H
+from benchmarks import demo
 from semijax.errors import ConfigError
 from semijax.train import config as config_lib
 from semijax.train import loop as train
@@ -66,3 +68,14 @@ def test_layout_heads_counts_kv_groups(heads, message):
     return
   with pytest.raises(ConfigError, match=message):
     config_lib.validate(config)
+
+
+def test_the_demo_takes_the_llama_config():
+  cfgs = demo.configs(steps=2, slow_device=3, factor=4.0,
+                      config_path=f"{H.ROOT}/configs/llama_tiny.py:cpu")
+  runs = {name: config_lib.validate(c, num_devices=8) for name, c in cfgs.items()}
+  assert {r.model.name for r in runs.values()} == {"llama"}
+  heads = runs["proportional"].layout.heads.counts
+  mlp = runs["proportional"].layout.mlp.counts
+  assert sum(heads) == 8 and mlp[3] < min(mlp[:3] + mlp[4:])
+  assert runs["semi"].balance.policy == "semi"
