@@ -79,3 +79,20 @@ def test_the_demo_takes_the_llama_config():
   mlp = runs["proportional"].layout.mlp.counts
   assert sum(heads) == 8 and mlp[3] < min(mlp[:3] + mlp[4:])
   assert runs["semi"].balance.policy == "semi"
+
+
+def test_the_controller_migrates_kv_groups_off_a_straggler_without_changing_the_losses(
+    tmp_path):
+  # Device 0, emulated 4x slower, starts with two KV groups: the migrate policy moves units and
+  # groups off it once warm-up has measured the speeds, and training goes on exactly as on the
+  # even split.
+  even = train.train_and_evaluate(tiny_llama(steps=5), str(tmp_path / "even"))
+  config = tiny_llama(steps=5, heads=(2, 1, 1, 0))
+  config.balance.policy = "migrate"
+  config.hetero.slowdown = (4.0, 1.0, 1.0, 1.0)
+  moved = train.train_and_evaluate(config, str(tmp_path / "moved"))
+  counts = moved["balance"]["layout_counts"]
+  assert moved["balance"]["migrations"] >= 1
+  assert counts["mlp"][0] < min(counts["mlp"][1:])
+  assert counts["heads"][0] < 2 and sum(counts["heads"]) == 4
+  np.testing.assert_allclose(moved["losses"], even["losses"], rtol=2e-6, atol=2e-6)
