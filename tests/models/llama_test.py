@@ -5,7 +5,7 @@
     a device owns nothing at all (drained), for multi-query, grouped and multi-head attention,
     tied embeddings, a 2x4 data x tensor mesh and the pallas width kernel;
   * a ZERO-resized step (units and contraction modes) matches the reference on the dense
-    equivalent (the skipped units or features zeroed);
+    equivalent (the skipped units or features zeroed), and an offloaded step the reference;
   * an uneven split trains like the even one, and a migration mid-run like the run without it;
   * the spec (and the planner's costs) count KV groups as the "heads" units, SwiGLU's three
     matrices and GQA's smaller K and V in FLOPs and parameters; bad fields are refused by name.
@@ -27,6 +27,7 @@ from semijax.core import flops
 from semijax.core import layout as L
 from semijax.core import mesh as mesh_lib
 from semijax.core import migrate
+from semijax.core import offload
 from semijax.core import resize as resize_lib
 from semijax.core import sharding
 from semijax.errors import ConfigError
@@ -83,14 +84,15 @@ def logical_grads(eng, grads, layout):
   return eng.logical_arrays(grads)
 
 
-def check(eng, layout, seed=0):
-  """Engine logits and gradients on `layout` against the reference's, from the same initial
-  parameters; returns the logits and the logical gradients."""
+def check(eng, layout, seed=0, **plan):
+  """Engine logits and gradients on `layout` (and `plan`'s options of `Engine.plan`) against
+  the reference's, from the same initial parameters; returns the logits and the logical
+  gradients."""
   logical = eng.init_logical(seed)
   state = eng.to_padded(logical, layout)
   batch_np = batch(seed)
   logits, grads = H.logits_and_grads(eng, state.params, eng.shard_batch(batch_np),
-                                     eng.plan(layout))
+                                     eng.plan(layout, **plan))
   ref_logits, ref_grads = ref.logits_and_grads(
       jax.tree.map(jnp.asarray, eng.logical_arrays(logical.params)),
       jax.tree.map(jnp.asarray, batch_np), KW["num_heads"])
@@ -131,6 +133,18 @@ def test_tied_embeddings_match_the_dense_reference():
   _, grads = check(eng, layout)
   # The tied table gets the gradient of its two uses: the lookup and the head.
   assert np.abs(grads["embed"]["embedding"]).sum() > 0
+
+
+def test_offloaded_groups_and_units_match_the_dense_reference():
+  # Helpers compute a straggler's KV groups and MLP units from its weights (the authors'
+  # offload): a device that owns three groups keeps one and has two computed by others.
+  eng = make_engine(1, 4)
+  layout = L.Layout(mlp=L.UnitLayout.from_counts("mlp", (20, 8, 12, 8), widths=(10, 20)),
+                    heads=L.UnitLayout.from_counts("heads", (3, 0, 1, 0), widths=(1, 3)))
+  desc = {"mlp": offload.for_target(layout.mlp, (12, 12, 12, 12)),
+          "heads": offload.for_target(layout.heads, (1, 1, 1, 1))}
+  assert desc["heads"] == {0: {1: 1, 3: 1}}
+  check(eng, layout, offload=desc)
 
 
 def test_inactive_groups_are_skipped_exactly():
