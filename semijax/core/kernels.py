@@ -24,7 +24,8 @@ The other kernel (`layout.kernel`="pallas", `core.width_gemm`) has no branches: 
 `mlp_partial` and `attention_partial` run the block at the capacity C with GEMMs that skip the
 tiles past `active` (the limit is data, so one program serves every width and no conditional
 reads an index back to the host). The attention scores and softmax still run over all C heads
-(the heads past `active` are zeros, masked before the row GEMM).
+(the heads past `active` are zeros, masked before the row GEMM), but for a device with no
+active head under a plan that may leave one without (`skip_idle`), which skips them in a cond.
 
 `Cut` describes what a ZERO-resized device leaves out of a block (`core.resize`); `mlp_partial`
 and `attention_partial` compute one device's partial block output, exact or cut.
@@ -41,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import ad_checkpoint
 
+from semijax.core import mesh as mesh_lib
 from semijax.core import width_gemm
 
 # What a branch keeps for the backward pass (see module doc): "saved" (the padded GEMM outputs,
@@ -276,7 +278,7 @@ def mlp_partial(width, x, w1, b1, w2, active, cut: Cut | None = None):
 
 
 def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | None = None, *,
-                      head_dim, causal, implementation="xla"):
+                      head_dim, causal, implementation="xla", skip_idle=False):
   """This device's partial attention output, computed at `width` heads.
 
   Args:
@@ -291,18 +293,26 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
     head_dim: features per head. causal: mask future positions.
     implementation: of `jax.nn.dot_product_attention`, "xla" or "cudnn" (the softmax is float32
       in both).
+    skip_idle: with width None, a device with no active head skips the scores and the softmax
+      over its C zero heads (a `lax.cond`, `mesh.cond_or_zeros`): set under a plan that may
+      leave a device without heads (`core.repeated`); a bucketed width 0 skips them anyway.
 
   Returns:
     [batch, seq, d_model] partial sum (before the all-reduce, without the output bias).
   """
+  pallas = width is None
   limit, width = _limit(width, active, cut, wo.shape[0] // head_dim)
   heads = lambda w, b: _column(x, w, b, width, head_dim, cut, limit).reshape(
       *x.shape[:-1], width, head_dim)
   q, k, v = heads(wq, bq), heads(wk, bk), heads(wv, bv)
+  attend = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                             implementation=implementation)
   if width == 0:      # a drained device: no heads, a zero partial sum from the empty row GEMM
     out = q
+  elif pallas and skip_idle:
+    out = mesh_lib.cond_or_zeros(active > 0, attend, q, k, v)
   else:
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+    out = attend(q, k, v)
   if cut is None:     # the row GEMM's input, kept by a branch (see `saved`)
     flat = saved(out.reshape(*out.shape[:-2], width * head_dim), wo.shape[0])
     out = flat.reshape(out.shape)

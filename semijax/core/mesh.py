@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from semijax.core import topology
@@ -149,7 +150,27 @@ def vary_alike(tree, axes=()):
   and `axes`: the operands of a `lax.cond` whose predicate varies, cast outside it (an implicit
   cast inside a branch puts its transpose, an all-reduce, inside that branch only, and devices
   that take the other branch never join it)."""
-  leaves = jax.tree.leaves(tree)
-  union = frozenset(axes).union(*(varying_axes(a) for a in leaves))
-  order = tuple(a for a in PIPELINE_AXES if a in union) + tuple(sorted(union - set(PIPELINE_AXES)))
+  order = _alike_axes(tree, axes)
   return jax.tree.map(lambda a: vary(a, order), tree)
+
+
+def _alike_axes(tree, axes) -> tuple:
+  """The union of `axes` and the axes any array of `tree` varies over, in the mesh's order."""
+  union = frozenset(axes).union(*(varying_axes(a) for a in jax.tree.leaves(tree)))
+  return tuple(a for a in PIPELINE_AXES if a in union) + tuple(sorted(union - set(PIPELINE_AXES)))
+
+
+def cond_or_zeros(here: jax.Array, fn, *operands):
+  """`fn(*operands)` where `here` (bool [], varying over `tensor`) holds, zeros of its shapes
+  elsewhere, in a `lax.cond`. The operands are cast outside the cond to vary alike over `tensor`
+  and whatever they vary over (`vary_alike`), so the transposes of the casts, all-reduces, stay
+  outside it too, and both branches return values varying over those axes.
+
+  Returns `fn`'s pytree.
+  """
+  axes = _alike_axes(operands, (TENSOR,))
+  operands = jax.tree.map(lambda a: vary(a, axes), operands)
+  run = lambda *a: jax.tree.map(lambda t: vary(t, axes), fn(*a))
+  zeros = lambda *a: jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), axes),
+                                  jax.eval_shape(fn, *a))
+  return jax.lax.cond(here, run, zeros, *operands)

@@ -4,8 +4,9 @@ Outside the split work of the blocks, tensor parallelism repeats the model's uns
 every device of a tensor group: the embedding, each block's norms, the final norm, the head GEMM
 over the vocabulary or the classes, and the loss (`core.spec.ModelSpec.edge_flops`). A device
 that owns no unit of any kind (a drained device, `core.layout.Layout.drained`) has no use for
-it. Under a plan that may drain (`drains`), each piece runs in a `lax.cond` (`on_busy`) whose
-other branch returns zeros, so a drained device at 1% speed no longer holds the step for it:
+it. Under a plan that may drain (`drains`), each piece runs in a `lax.cond`
+(`mesh.cond_or_zeros`) whose other branch returns zeros, so a drained device at 1% speed no
+longer holds the step for it:
 
   * `stem`: the embedding, on busy devices only;
   * `normed`: a block's norm, on the devices that own units of the kind that reads it (a device
@@ -49,22 +50,6 @@ def busy(plan: Plan) -> jax.Array:
   return sum(jnp.sum(a) for a in plan.active.values()) > 0
 
 
-def on_busy(fn: Callable, here: jax.Array, *operands):
-  """`fn(*operands)` on the devices where `here` (bool [], varying over `tensor`) holds, zeros of
-  its shapes elsewhere, in a `lax.cond`. The operands are cast outside the cond to vary alike
-  (`mesh.vary_alike`), so the transposes of the casts, all-reduces, stay outside it too.
-
-  Returns `fn`'s pytree, varying over `tensor` (and whatever the operands vary over).
-  """
-  operands = mesh_lib.vary_alike(operands, (mesh_lib.TENSOR,))
-  axes = tuple(sorted(frozenset((mesh_lib.TENSOR,)).union(
-      *(mesh_lib.varying_axes(a) for a in jax.tree.leaves(operands)))))
-  run = lambda *a: jax.tree.map(lambda t: mesh_lib.vary(t, axes), fn(*a))
-  zeros = lambda *a: jax.tree.map(lambda s: mesh_lib.vary(jnp.zeros(s.shape, s.dtype), axes),
-                                  jax.eval_shape(fn, *a))
-  return jax.lax.cond(here, run, zeros, *operands)
-
-
 def stem(fn: Callable, inputs, params, plan: Plan):
   """`fn(inputs, params)`: the embedding of the batch's `inputs` with the stem's parameters
   `params` (replicated), skipped by drained devices under a plan that `drains` (zeros there:
@@ -75,7 +60,7 @@ def stem(fn: Callable, inputs, params, plan: Plan):
   """
   if not drains(plan):
     return fn(inputs, params)
-  return on_busy(fn, busy(plan), inputs, params)
+  return mesh_lib.cond_or_zeros(busy(plan), fn, inputs, params)
 
 
 def normed(norm, x: jax.Array, plan: Plan, kind: str) -> jax.Array:
@@ -93,7 +78,8 @@ def normed(norm, x: jax.Array, plan: Plan, kind: str) -> jax.Array:
   if plan.offload is not None or 0 not in plan.widths_of(kind):
     return norm(x)
   graphdef, state = nnx.split(norm)
-  return on_busy(lambda x, s: nnx.merge(graphdef, s)(x), plan.active[kind][0] > 0, x, state)
+  return mesh_lib.cond_or_zeros(plan.active[kind][0] > 0,
+                                lambda x, s: nnx.merge(graphdef, s)(x), x, state)
 
 
 def head_terms(fn: Callable, x: jax.Array, params, plan: Plan):
@@ -108,7 +94,7 @@ def head_terms(fn: Callable, x: jax.Array, params, plan: Plan):
   if not drains(plan):
     return fn(x, params)
   here = busy(plan)
-  out = on_busy(fn, here, x, params)
+  out = mesh_lib.cond_or_zeros(here, fn, x, params)
   index = jax.lax.axis_index(mesh_lib.TENSOR)
   size = jax.lax.axis_size(mesh_lib.TENSOR)
   leader = jax.lax.pmin(jnp.where(here, index, size), mesh_lib.TENSOR)

@@ -99,7 +99,8 @@ class Attention(nnx.Module):
   def __call__(self, x, plan: plan_lib.Plan):
     """x: [batch, seq, d_model] (compute dtype) replicated over tensor -> same, replicated."""
     fn = functools.partial(kernels.attention_partial, head_dim=self.head_dim, causal=self.causal,
-                           implementation=self.precision.attention_impl(self.head_dim))
+                           implementation=self.precision.attention_impl(self.head_dim),
+                           skip_idle=0 in plan.widths_of("heads"))
     *weights, bo = read((self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo,
                          self.bo), self.precision)
     units = kernels.attention_units(self.head_dim)

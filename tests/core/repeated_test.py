@@ -155,3 +155,62 @@ def test_the_draining_path_trains_like_the_plain_one():
            for p in plans]
   assert float(drain_value) == pytest.approx(float(value), rel=1e-6)
   H.assert_trees_close(grads[1], grads[0], atol=1e-6)
+
+
+def _subjaxprs(eqn):
+  """The jaxprs nested in one equation (none for a pallas kernel's body)."""
+  if eqn.primitive.name == "pallas_call":
+    return []
+  subs = [v for v in eqn.params.values() for v in (v if isinstance(v, (tuple, list)) else (v,))]
+  return [s for s in (getattr(v, "jaxpr", v) for v in subs) if hasattr(s, "eqns")]
+
+
+def _walk(jaxpr, inside=False):
+  """Yields (equation, whether it is in some cond's branch) of a jaxpr and its nested ones."""
+  for eqn in jaxpr.eqns:
+    yield eqn, inside
+    for sub in _subjaxprs(eqn):
+      yield from _walk(sub, inside or eqn.primitive.name == "cond")
+
+
+def _softmax_conds(jaxpr) -> int:
+  """How many conds hold an `exp` (a softmax) in a branch, outermost ones only."""
+  count = 0
+  for eqn, inside in _walk(jaxpr):
+    if eqn.primitive.name == "cond" and not inside:
+      count += any(e.primitive.name == "exp" for s in _subjaxprs(eqn) for e, _ in _walk(s))
+  return count
+
+
+def test_under_the_pallas_kernel_a_device_without_heads_skips_the_softmax_outside_the_kernels():
+  # The pallas kernels run on every device (Pallas's interpreter synchronizes all devices per
+  # call, and a GPU program gains nothing from skipping a kernel whose tiles are all skipped);
+  # the attention scores and softmax over the C heads run in a cond, as do the embedding, the
+  # norms and the head. Exactness: tests/core/drain_test.py's pallas case.
+  eng = H.make_engine("gpt", 1, N, kernel="pallas")
+  counts = {"mlp": (16, 16, 16, 0), "heads": (3, 3, 2, 0)}
+  layout = L.Layout(**{k: L.UnitLayout.from_counts(
+      k, c, capacity=c[0], widths=L.default_widths(c[0], 2, zero=True))
+      for k, c in counts.items()})
+  state = eng.to_padded(eng.init_logical(0), layout)
+  batch = eng.shard_batch(H.make_batch("gpt"))
+
+  def jaxpr(layout, params):
+    plan = eng.plan(layout)
+    assert plan.runs_pallas("heads")
+    return repeated.drains(plan), jax.make_jaxpr(
+        jax.grad(lambda p: eng.loss(p, batch, plan)[0]))(params).jaxpr
+
+  drains, program = jaxpr(layout, state.params)
+  assert drains
+  in_cond = {e.primitive.name for e, inside in _walk(program) if inside}
+  outside = {e.primitive.name for e, inside in _walk(program) if not inside}
+  assert "pallas_call" in outside and "pallas_call" not in in_cond
+  # The head's softmax and each layer's attention (their backward passes keep the
+  # probabilities).
+  assert _softmax_conds(program) == 1 + H.GPT_KW["num_layers"]
+  # Under an even split nothing is skipped: no cond at all.
+  even = L.Layout.for_model(d_model=H.GPT_KW["d_model"], num_heads=H.GPT_KW["num_heads"],
+                            d_ff=H.GPT_KW["d_ff"], num_devices=N)
+  drains, program = jaxpr(even, eng.to_padded(eng.init_logical(0), even).params)
+  assert not drains and not any(e.primitive.name == "cond" for e, _ in _walk(program))
