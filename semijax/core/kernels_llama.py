@@ -14,14 +14,19 @@ unit. There are no biases: the GEMMs get zero ones.
 
 Rotary embeddings (`rope`) rotate this device's query and key heads after the column GEMMs, in
 float32; the scores and the softmax are float32 (`jax.nn.dot_product_attention`, as the GPT's).
+As in `kernels.attention_partial`, under the pallas kernel a device with no active group skips
+the scores and the softmax over its C zero groups where the plan asks (`skip_idle`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from semijax.core import kernels
+from semijax.core import mesh as mesh_lib
 
 ROPE_THETA = 10000.0
 SWIGLU_UNITS = ((1, 1), (1, 1), (0, 1))          # (unit axis, unit size) of w_gate, w_up, w_down
@@ -72,7 +77,7 @@ def swiglu_partial(width, x, w_gate, w_up, w_down, active, cut: kernels.Cut | No
 
 
 def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None, *,
-                implementation: str = "xla"):
+                implementation: str = "xla", skip_idle: bool = False):
   """This device's partial grouped-query attention output (causal, rotary), at `width` groups.
 
   Args:
@@ -85,6 +90,8 @@ def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None
     active: int32 scalar; groups >= active contribute zero.
     cut: what a resized device leaves out (`kernels.Cut`), or None for the exact block.
     implementation: of `jax.nn.dot_product_attention`, "xla" or "cudnn".
+    skip_idle: with width None, a device with no active group skips the scores and the softmax
+      (`mesh.cond_or_zeros`): set under a plan that compiles the width 0 for "heads".
 
   Returns:
     [batch, seq, d_model] partial sum (before the all-reduce).
@@ -92,6 +99,7 @@ def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None
   d_model, capacity, q_size = wq.shape
   head_dim = wk.shape[2]
   group = q_size // head_dim
+  pallas = width is None
   limit, width = kernels._limit(width, active, cut, capacity)
 
   def column(w, size, heads):          # [d_model, C, size] -> [batch, seq, heads, head_dim]
@@ -102,10 +110,15 @@ def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None
   q = rope(column(wq, q_size, width * group))
   k = rope(column(wk, head_dim, width))
   v = column(wv, head_dim, width)
+  # Query head c*group + j attends with KV head c.
+  attend = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                             implementation=implementation)
   if width == 0:      # a drained device: no heads, a zero partial sum from the empty row GEMM
     out = q
-  else:               # query head c*group + j attends with KV head c
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+  elif pallas and skip_idle:
+    out = mesh_lib.cond_or_zeros(active > 0, attend, q, k, v)
+  else:
+    out = attend(q, k, v)
   out = out.reshape(*x.shape[:-1], width, q_size)
   if cut is None:     # the row GEMM's input, kept by a branch (`kernels.saved`)
     out = kernels.saved(out.reshape(*x.shape[:-1], width * q_size),

@@ -80,7 +80,8 @@ class GroupedAttention(nnx.Module):
   def __call__(self, x, plan: plan_lib.Plan):
     """x: [batch, seq, d_model] (compute dtype) replicated over tensor -> same, replicated."""
     fn = functools.partial(kernels_llama.gqa_partial,
-                           implementation=self.precision.attention_impl(self.head_dim))
+                           implementation=self.precision.attention_impl(self.head_dim),
+                           skip_idle=0 in plan.widths_of("heads"))
     weights = layers.read((self.wq, self.wk, self.wv, self.wo), self.precision)
     return tp.row_parallel(plan, "heads", fn, x, *weights, units=kernels_llama.GQA_UNITS)
 
