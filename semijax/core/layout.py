@@ -2,9 +2,10 @@
 
 A *unit* is the smallest piece of a tensor-parallel (TP) layer that one device can own:
   * kind "mlp": one hidden unit of an MLP (a column of the up-projection, its bias, and a row of
-    the down-projection);
+    the down-projection; a Llama's gate and up projections both);
   * kind "heads": one attention head (head_dim columns of Q, K and V, their biases, and head_dim
-    rows of the output projection).
+    rows of the output projection); with grouped-query attention (a Llama) one KV group: its key
+    and value heads and the query heads that share them, so a device never splits a group.
 
 A `UnitLayout` says, for one kind and every device of the `tensor` mesh axis,
   * `owned[d]`: the logical unit ids device d owns, in local slot order;
