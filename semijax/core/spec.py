@@ -23,9 +23,9 @@ class ModelSpec:
   """A validated model description (layout-independent).
 
   Attributes:
-    name: the registry name ("gpt", "vit").
+    name: the registry name ("gpt", "vit", "llama").
     fields: ((config field, value), ...): the model constructor's keyword arguments.
-    d_model, num_heads, d_ff, num_layers: transformer sizes.
+    d_model, num_heads (query heads), d_ff, num_layers: transformer sizes.
     seq_len: tokens per example the blocks see (bytes for a GPT, patches + class token for a ViT).
     causal: whether attention masks future positions.
     items_per_example: what one example counts in throughput ("tokens": seq_len, "images": 1).
