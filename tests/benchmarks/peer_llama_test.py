@@ -65,7 +65,8 @@ def test_the_three_programs_train_alike_in_float32():
 @pytest.mark.parametrize("change,message", [
     (dict(model="mamba"), r"^--model: 'mamba' is not one of"),
     (dict(kv_heads=3), r"^--kv_heads: 3 key/value heads must divide num_heads = 8"),
-    (dict(d_model=24, heads=8, kv_heads=4), r"^--heads: head_dim = d_model / num_heads = 3 must be even"),
+    (dict(d_model=24, heads=8, kv_heads=4),
+     r"^--heads: head_dim = d_model / num_heads = 3 must be even"),
     (dict(model="gpt", kv_heads=4), r"^--kv_heads: the gpt has no key/value groups"),
     (dict(tensor=8, kv_heads=4), r"^--tensor: 8 devices cannot each own a head and an MLP unit "
                                  r"of 4 heads units"),
