@@ -199,8 +199,9 @@ def _permuted_bwd(k, axis, unit_size, perm, g):
 _permuted_take.defvjp(_permuted_fwd, _permuted_bwd)
 
 
-def _column(x, w, b, width, unit_size, cut, limit=None):
-  """Column-parallel GEMM of x [..., d_model] with the local block w [d_model, C*unit_size].
+def column(x, w, b, width, unit_size, cut, limit=None):
+  """Column-parallel GEMM of x [..., d_model] with the local block w [d_model, C*unit_size] and
+  bias b [C*unit_size] (None: no bias).
 
   Returns [..., width*unit_size]: the first `width` slots, or the slots `cut.units[:width]` in
   units mode; in contraction mode only the features `cut.feats[:cut.feats_kept]` are summed.
@@ -208,19 +209,21 @@ def _column(x, w, b, width, unit_size, cut, limit=None):
   (their GEMM outputs are zero, plus the bias).
   """
   n = width * unit_size
+  bias = lambda y, b: y if b is None else y + b
   if limit is not None:
-    return width_gemm.column(x, w, limit * unit_size) + b
+    return bias(width_gemm.column(x, w, limit * unit_size), b)
   if cut is None:
-    return saved(x @ w[:, :n] + b[:n], w.shape[1])
+    return saved(bias(x @ w[:, :n], None if b is None else b[:n]), w.shape[1])
   if cut.feats is None:
     take = lambda a, axis: permuted_take(a, cut.units, width, axis, unit_size)
-    return x @ take(w, 1) + take(b, 0)
+    return bias(x @ take(w, 1), None if b is None else take(b, 0))
   fw = cut.feat_width
   xf = permuted_take(x, cut.feats, fw, x.ndim - 1) * unit_mask(fw, cut.feats_kept, x.dtype)
-  return (xf @ permuted_take(w[:, :n], cut.feats, fw, 0)) * cut.col_scale + b[:n]
+  return bias((xf @ permuted_take(w[:, :n], cut.feats, fw, 0)) * cut.col_scale,
+              None if b is None else b[:n])
 
 
-def _row(h, w, width, unit_size, cut, limit=None):
+def row(h, w, width, unit_size, cut, limit=None):
   """Row-parallel GEMM of h [..., width, unit_size] (masked) with w [C*unit_size, d_model].
 
   Returns this device's partial sum [..., d_model], times `cut.row_scale`. In contraction mode
@@ -242,12 +245,12 @@ def _row(h, w, width, unit_size, cut, limit=None):
   return (flat(hk) @ permuted_take(w, cut.units, rw, 0, unit_size)) * cut.row_scale
 
 
-def _computed(width, active, cut):
+def computed(width, active, cut):
   """int32 scalar: how many leading computed slots are real (the rest are masked to zero)."""
   return active if cut is None or cut.feats is not None else cut.kept
 
 
-def _limit(width, active, cut, capacity):
+def kernel_width(width, active, cut, capacity):
   """(limit, width): width None is the pallas kernel, (active, capacity); else (None, width)."""
   if width is not None:
     return None, width
@@ -271,10 +274,10 @@ def mlp_partial(width, x, w1, b1, w2, active, cut: Cut | None = None):
   Returns:
     [..., d_model] partial sum (before the all-reduce, without the output bias).
   """
-  limit, width = _limit(width, active, cut, w1.shape[1])
-  h = jax.nn.gelu(_column(x, w1, b1, width, 1, cut, limit))
-  h = h * unit_mask(width, _computed(width, active, cut), h.dtype)
-  return _row(h[..., None], w2, width, 1, cut, limit)
+  limit, width = kernel_width(width, active, cut, w1.shape[1])
+  h = jax.nn.gelu(column(x, w1, b1, width, 1, cut, limit))
+  h = h * unit_mask(width, computed(width, active, cut), h.dtype)
+  return row(h[..., None], w2, width, 1, cut, limit)
 
 
 def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | None = None, *,
@@ -301,8 +304,8 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
     [batch, seq, d_model] partial sum (before the all-reduce, without the output bias).
   """
   pallas = width is None
-  limit, width = _limit(width, active, cut, wo.shape[0] // head_dim)
-  heads = lambda w, b: _column(x, w, b, width, head_dim, cut, limit).reshape(
+  limit, width = kernel_width(width, active, cut, wo.shape[0] // head_dim)
+  heads = lambda w, b: column(x, w, b, width, head_dim, cut, limit).reshape(
       *x.shape[:-1], width, head_dim)
   q, k, v = heads(wq, bq), heads(wk, bk), heads(wv, bv)
   attend = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
@@ -316,5 +319,5 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
   if cut is None:     # the row GEMM's input, kept by a branch (see `saved`)
     flat = saved(out.reshape(*out.shape[:-2], width * head_dim), wo.shape[0])
     out = flat.reshape(out.shape)
-  out = out * unit_mask(width, _computed(width, active, cut), out.dtype)[:, None]
-  return _row(out, wo, width, head_dim, cut, limit)
+  out = out * unit_mask(width, computed(width, active, cut), out.dtype)[:, None]
+  return row(out, wo, width, head_dim, cut, limit)

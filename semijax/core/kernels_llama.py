@@ -8,9 +8,9 @@ that share them, so a device never splits a group. The attention weights keep th
 explicit (local: wq [d_model, C, group*head_dim], wk, wv [d_model, C, head_dim], wo
 [C, group*head_dim, d_model]), so one unit is one index of that axis (unit size 1 in
 `core.sharding`, `GQA_UNITS`). Inside a kernel they are viewed flat ([d_model, C*group*head_dim],
-...) and go through the GPT's column and row GEMMs (`kernels._column`, `kernels._row`: exact at a
+...) and go through the GPT's column and row GEMMs (`kernels.column`, `kernels.row`: exact at a
 bucket width, ZERO-resized, or the pallas kernel's width None), each with its own entries per
-unit. There are no biases: the GEMMs get zero ones.
+unit, without biases.
 
 Rotary embeddings (`rope`) rotate this device's query and key heads after the column GEMMs, in
 float32; the scores and the softmax are float32 (`jax.nn.dot_product_attention`, as the GPT's).
@@ -49,11 +49,6 @@ def rope(x: jax.Array, theta: float = ROPE_THETA) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _zeros(w, x):
-  """A zero bias for the flat column block `w` [d_model, n]: [n] in x's dtype."""
-  return jnp.zeros((w.shape[1],), x.dtype)
-
-
 def swiglu_partial(width, x, w_gate, w_up, w_down, active, cut: kernels.Cut | None = None):
   """This device's partial SwiGLU output, silu(x @ w_gate) * (x @ w_up) @ w_down, at `width`.
 
@@ -68,12 +63,12 @@ def swiglu_partial(width, x, w_gate, w_up, w_down, active, cut: kernels.Cut | No
   Returns:
     [..., d_model] partial sum (before the all-reduce).
   """
-  limit, width = kernels._limit(width, active, cut, w_gate.shape[1])
-  gate = kernels._column(x, w_gate, _zeros(w_gate, x), width, 1, cut, limit)
-  up = kernels._column(x, w_up, _zeros(w_up, x), width, 1, cut, limit)
+  limit, width = kernels.kernel_width(width, active, cut, w_gate.shape[1])
+  gate = kernels.column(x, w_gate, None, width, 1, cut, limit)
+  up = kernels.column(x, w_up, None, width, 1, cut, limit)
   h = jax.nn.silu(gate) * up
-  h = h * kernels.unit_mask(width, kernels._computed(width, active, cut), h.dtype)
-  return kernels._row(h[..., None], w_down, width, 1, cut, limit)
+  h = h * kernels.unit_mask(width, kernels.computed(width, active, cut), h.dtype)
+  return kernels.row(h[..., None], w_down, width, 1, cut, limit)
 
 
 def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None, *,
@@ -100,11 +95,11 @@ def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None
   head_dim = wk.shape[2]
   group = q_size // head_dim
   pallas = width is None
-  limit, width = kernels._limit(width, active, cut, capacity)
+  limit, width = kernels.kernel_width(width, active, cut, capacity)
 
   def column(w, size, heads):          # [d_model, C, size] -> [batch, seq, heads, head_dim]
     flat = w.reshape(d_model, capacity * size)
-    y = kernels._column(x, flat, _zeros(flat, x), width, size, cut, limit)
+    y = kernels.column(x, flat, None, width, size, cut, limit)
     return y.reshape(*x.shape[:-1], heads, head_dim)
 
   q = rope(column(wq, q_size, width * group))
@@ -123,5 +118,5 @@ def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None
   if cut is None:     # the row GEMM's input, kept by a branch (`kernels.saved`)
     out = kernels.saved(out.reshape(*x.shape[:-1], width * q_size),
                         capacity * q_size).reshape(out.shape)
-  out = out * kernels.unit_mask(width, kernels._computed(width, active, cut), out.dtype)[:, None]
-  return kernels._row(out, wo.reshape(capacity * q_size, d_model), width, q_size, cut, limit)
+  out = out * kernels.unit_mask(width, kernels.computed(width, active, cut), out.dtype)[:, None]
+  return kernels.row(out, wo.reshape(capacity * q_size, d_model), width, q_size, cut, limit)
