@@ -61,17 +61,22 @@ def logits(params, tokens, *, num_heads, dtype=jnp.float32, implementation="xla"
   return jnp.matmul(x, params["head"].astype(dtype), preferred_element_type=jnp.float32)
 
 
+def cross_entropy(logits, targets):
+  """Mean next-token cross-entropy (float32) of logits [B, S, V] against int32 targets [B, S]."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+  return jnp.mean(-jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0])
+
+
 def loss(params, batch, **model):
   """Mean next-token cross-entropy (float32) of batch {"inputs", "targets": int32 [B, S]};
   `model` as for `logits`."""
-  logp = jax.nn.log_softmax(logits(params, batch["inputs"], **model).astype(jnp.float32))
-  nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-  return jnp.mean(nll)
+  return cross_entropy(logits(params, batch["inputs"], **model), batch["targets"])
 
 
-def train_step(params, opt_state, batch, *, tx, **model):
-  """One AdamW step (`tx`, an optax transformation): (params, opt_state, loss)."""
-  value, grads = jax.value_and_grad(loss)(params, batch, **model)
+def train_step(params, opt_state, batch, *, tx, loss_fn=loss, **model):
+  """One AdamW step (`tx`, an optax transformation) on `loss_fn` (default this GPT's loss):
+  (params, opt_state, loss)."""
+  value, grads = jax.value_and_grad(loss_fn)(params, batch, **model)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = jax.tree.map(lambda p, u: p + u, params, updates)
   return params, opt_state, value

@@ -18,8 +18,12 @@ i + hd/2 (theta 10,000).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from benchmarks import plain_gpt
 
 RMS_EPSILON = 1e-5
 ROPE_THETA = 10000.0
@@ -75,14 +79,8 @@ def logits(params, tokens, *, dtype=jnp.float32, implementation="xla", **unused)
 def loss(params, batch, **model):
   """Mean next-token cross-entropy (float32) of batch {"inputs", "targets": int32 [B, S]};
   `model` as for `logits`."""
-  logp = jax.nn.log_softmax(logits(params, batch["inputs"], **model).astype(jnp.float32))
-  nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-  return jnp.mean(nll)
+  return plain_gpt.cross_entropy(logits(params, batch["inputs"], **model), batch["targets"])
 
 
-def train_step(params, opt_state, batch, *, tx, **model):
-  """One AdamW step (`tx`, an optax transformation): (params, opt_state, loss)."""
-  value, grads = jax.value_and_grad(loss)(params, batch, **model)
-  updates, opt_state = tx.update(grads, opt_state, params)
-  params = jax.tree.map(lambda p, u: p + u, params, updates)
-  return params, opt_state, value
+# One AdamW step (`tx`, an optax transformation) on this Llama's loss: (params, opt_state, loss).
+train_step = functools.partial(plain_gpt.train_step, loss_fn=loss)
