@@ -280,6 +280,19 @@ def mlp_partial(width, x, w1, b1, w2, active, cut: Cut | None = None):
   return row(h[..., None], w2, width, 1, cut, limit)
 
 
+def attention_core(q, k, v, active, *, causal: bool, implementation: str, skip: bool):
+  """softmax(q k^T / sqrt(head_dim)) v over this device's heads: q [batch, seq, heads,
+  head_dim], k and v [batch, seq, kv_heads, head_dim] (kv_heads divides heads; query head
+  h attends with key head h // (heads / kv_heads)) -> [batch, seq, heads, head_dim]. No heads
+  (a width 0) computes nothing; `skip`: a device without an active head (`active` 0) skips the
+  scores and softmax in a cond (`mesh.cond_or_zeros`; zeros out)."""
+  if q.shape[-2] == 0:  # a drained device: no heads, a zero partial sum from the empty row GEMM
+    return q
+  attend = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                             implementation=implementation)
+  return mesh_lib.cond_or_zeros(active > 0, attend, q, k, v) if skip else attend(q, k, v)
+
+
 def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | None = None, *,
                       head_dim, causal, implementation="xla", skip_idle=False):
   """This device's partial attention output, computed at `width` heads.
@@ -308,14 +321,8 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
   heads = lambda w, b: column(x, w, b, width, head_dim, cut, limit).reshape(
       *x.shape[:-1], width, head_dim)
   q, k, v = heads(wq, bq), heads(wk, bk), heads(wv, bv)
-  attend = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                             implementation=implementation)
-  if width == 0:      # a drained device: no heads, a zero partial sum from the empty row GEMM
-    out = q
-  elif pallas and skip_idle:
-    out = mesh_lib.cond_or_zeros(active > 0, attend, q, k, v)
-  else:
-    out = attend(q, k, v)
+  out = attention_core(q, k, v, active, causal=causal, implementation=implementation,
+                       skip=pallas and skip_idle)
   if cut is None:     # the row GEMM's input, kept by a branch (see `saved`)
     flat = saved(out.reshape(*out.shape[:-2], width * head_dim), wo.shape[0])
     out = flat.reshape(out.shape)

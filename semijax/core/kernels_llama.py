@@ -20,13 +20,10 @@ the scores and the softmax over its C zero groups where the plan asks (`skip_idl
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from semijax.core import kernels
-from semijax.core import mesh as mesh_lib
 
 ROPE_THETA = 10000.0
 SWIGLU_UNITS = ((1, 1), (1, 1), (0, 1))          # (unit axis, unit size) of w_gate, w_up, w_down
@@ -106,14 +103,8 @@ def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None
   k = rope(column(wk, head_dim, width))
   v = column(wv, head_dim, width)
   # Query head c*group + j attends with KV head c.
-  attend = functools.partial(jax.nn.dot_product_attention, is_causal=True,
-                             implementation=implementation)
-  if width == 0:      # a drained device: no heads, a zero partial sum from the empty row GEMM
-    out = q
-  elif pallas and skip_idle:
-    out = mesh_lib.cond_or_zeros(active > 0, attend, q, k, v)
-  else:
-    out = attend(q, k, v)
+  out = kernels.attention_core(q, k, v, active, causal=True, implementation=implementation,
+                               skip=pallas and skip_idle)
   out = out.reshape(*x.shape[:-1], width, q_size)
   if cut is None:     # the row GEMM's input, kept by a branch (`kernels.saved`)
     out = kernels.saved(out.reshape(*x.shape[:-1], width * q_size),
