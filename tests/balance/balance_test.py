@@ -90,7 +90,7 @@ def test_semi_resizes_a_short_slowdown(tmp_path, even):
 
 
 def test_semi_drains_a_device_at_one_percent_without_loss(tmp_path, even):
-  summary, workdir = run(tmp_path, "semi", slowdown=(1.0, 1.0, 1.0, 100.0))
+  summary, workdir = run(tmp_path, "semi", slowdown=(1.0, 1.0, 1.0, 100.0), drain=True)
   b = summary["balance"]
   assert b["compiles_after_warmup"] == 0 and b["migrations"] == 1
   assert b["layout_counts"]["mlp"][3] == 0 and b["layout_counts"]["heads"][3] == 0
