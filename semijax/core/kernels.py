@@ -310,8 +310,8 @@ def attention_partial(width, x, wq, bq, wk, bk, wv, bv, wo, active, cut: Cut | N
     implementation: of `jax.nn.dot_product_attention`, "xla" or "cudnn" (the softmax is float32
       in both).
     skip_idle: with width None, a device with no active head skips the scores and the softmax
-      over its C zero heads (a `lax.cond`, `mesh.cond_or_zeros`): set under a plan that may
-      leave a device without heads (`core.repeated`); a bucketed width 0 skips them anyway.
+      over its C zero heads (a `lax.cond`, `mesh.cond_or_zeros`): set under a plan in which a
+      device may own no head (`Plan.idle`); a bucketed width 0 skips them anyway.
 
   Returns:
     [batch, seq, d_model] partial sum (before the all-reduce, without the output bias).

@@ -83,7 +83,7 @@ def gqa_partial(width, x, wq, wk, wv, wo, active, cut: kernels.Cut | None = None
     cut: what a resized device leaves out (`kernels.Cut`), or None for the exact block.
     implementation: of `jax.nn.dot_product_attention`, "xla" or "cudnn".
     skip_idle: with width None, a device with no active group skips the scores and the softmax
-      (`mesh.cond_or_zeros`): set under a plan that compiles the width 0 for "heads".
+      (`mesh.cond_or_zeros`): set under a plan in which a device may own no group (`Plan.idle`).
 
   Returns:
     [batch, seq, d_model] partial sum (before the all-reduce).

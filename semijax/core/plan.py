@@ -24,7 +24,7 @@ from semijax.core import width_gemm
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("active", "resize", "offload"),
-                   meta_fields=("widths", "kernel"))
+                   meta_fields=("widths", "kernel", "idle"))
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What every tensor device computes in one step.
@@ -39,6 +39,12 @@ class Plan:
     kernel: static, how a device of an exact block without offload computes its width when
       several are compiled (`width_gemm.KERNELS`): "switch" (`lax.switch` over `widths`),
       "pallas" (one program whose GEMMs skip the units past `active`) or "auto".
+    idle: static, whether some device owns no unit of some kind: then a device without units
+      of a kind skips the work that only feeds them, and a drained device (none of any kind)
+      the embedding, the head and the loss, in conds (`core.repeated`). Static so that a step
+      in which every device owns units of every kind has no conds: a layout with a zero count
+      compiles its own step (warm-up compiles it ahead where a policy may drain,
+      `balance.warmup`).
   """
 
   active: dict
@@ -46,6 +52,11 @@ class Plan:
   resize: object = None
   offload: dict | None = None
   kernel: str = "auto"
+  idle: bool = False
+
+  def with_idle(self) -> "Plan":
+    """The same plan compiled for devices without units (`idle`)."""
+    return dataclasses.replace(self, idle=True)
 
   def runs_pallas(self, kind: str) -> bool:
     """Whether this plan's blocks of `kind` run the pallas kernel (`runs_pallas`)."""
@@ -120,7 +131,8 @@ def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, resize=None
     resize = jax.tree.map(put, resize)
   if offload is not None:
     offload = _offload_plans(layout, mesh, offload)
-  return Plan(active, tuple(kind_widths.items()), resize, offload, kernel)
+  idle = offload is None and any(0 in u.counts for u in layout.kinds().values())
+  return Plan(active, tuple(kind_widths.items()), resize, offload, kernel, idle)
 
 
 def _widths(layout: layout_lib.Layout, widths: dict | None) -> dict:

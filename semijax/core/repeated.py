@@ -4,7 +4,8 @@ Outside the split work of the blocks, tensor parallelism repeats the model's uns
 every device of a tensor group: the embedding, each block's norms, the final norm, the head GEMM
 over the vocabulary or the classes, and the loss (`core.spec.ModelSpec.edge_flops`). A device
 that owns no unit of any kind (a drained device, `core.layout.Layout.drained`) has no use for
-it. Under a plan that may drain (`drains`), each piece runs in a `lax.cond`
+it. Under a plan in which a device may own nothing (`drains`; static: `Plan.idle`, so a step in
+which every device owns units of every kind has no conds), each piece runs in a `lax.cond`
 (`mesh.cond_or_zeros`) whose other branch returns zeros, so a drained device at 1% speed no
 longer holds the step for it:
 
@@ -40,9 +41,10 @@ from semijax.core.plan import Plan
 
 
 def drains(plan: Plan) -> bool:
-  """Static: whether a device may own nothing under `plan`: every kind compiles the width 0,
-  without offload (whose helpers compute units they do not own)."""
-  return plan.offload is None and all(0 in w for _, w in plan.widths)
+  """Static: whether a device may own nothing under `plan`: some device owns no unit of some
+  kind (`Plan.idle`) and every kind compiles the width 0, without offload (whose helpers
+  compute units they do not own)."""
+  return plan.offload is None and plan.idle and all(0 in w for _, w in plan.widths)
 
 
 def busy(plan: Plan) -> jax.Array:
@@ -64,9 +66,10 @@ def stem(fn: Callable, inputs, params, plan: Plan):
 
 
 def normed(norm, x: jax.Array, plan: Plan, kind: str) -> jax.Array:
-  """`norm(x)` for the block of `kind` ("heads" or "mlp") that reads it: a device that owns no
-  unit of `kind` in this layer (under a plan that compiles the width 0 for it, without offload)
-  skips the norm, since its partial block of width 0 never reads its input.
+  """`norm(x)` for the block of `kind` ("heads" or "mlp") that reads it: under a plan in which
+  some device owns no unit of some kind (`Plan.idle`, static) and `kind` compiles the width 0
+  (without offload), a device that owns none skips the norm, since its partial block of width
+  0 never reads its input.
 
   Args:
     norm: an NNX module (a LayerNorm or an RMSNorm) replicated over `tensor`.
@@ -75,7 +78,7 @@ def normed(norm, x: jax.Array, plan: Plan, kind: str) -> jax.Array:
 
   Returns `norm(x)`; zeros on the devices that skip it (varying over `tensor` then).
   """
-  if plan.offload is not None or 0 not in plan.widths_of(kind):
+  if plan.offload is not None or not plan.idle or 0 not in plan.widths_of(kind):
     return norm(x)
   graphdef, state = nnx.split(norm)
   return mesh_lib.cond_or_zeros(plan.active[kind][0] > 0,

@@ -100,7 +100,7 @@ class Attention(nnx.Module):
     """x: [batch, seq, d_model] (compute dtype) replicated over tensor -> same, replicated."""
     fn = functools.partial(kernels.attention_partial, head_dim=self.head_dim, causal=self.causal,
                            implementation=self.precision.attention_impl(self.head_dim),
-                           skip_idle=0 in plan.widths_of("heads"))
+                           skip_idle=plan.idle)
     *weights, bo = read((self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo,
                          self.bo), self.precision)
     units = kernels.attention_units(self.head_dim)

@@ -81,7 +81,7 @@ class GroupedAttention(nnx.Module):
     """x: [batch, seq, d_model] (compute dtype) replicated over tensor -> same, replicated."""
     fn = functools.partial(kernels_llama.gqa_partial,
                            implementation=self.precision.attention_impl(self.head_dim),
-                           skip_idle=0 in plan.widths_of("heads"))
+                           skip_idle=plan.idle)
     weights = layers.read((self.wq, self.wk, self.wv, self.wo), self.precision)
     return tp.row_parallel(plan, "heads", fn, x, *weights, units=kernels_llama.GQA_UNITS)
 

@@ -128,9 +128,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.measure = "auto"
   c.balance.capacity_factor = 2.0  # dynamic policies: bucket capacity = factor x the even share
   c.balance.num_widths = 0         # compute widths in that bucket; 0 = layout.num_widths
-  # migrate / semi may move every unit off a too-slow device. Off by default: a step compiled
-  # for draining pays for its conds whether or not a device is drained (docs/balancing.md).
-  c.balance.drain = False
+  c.balance.drain = True           # migrate / semi may move every unit off a too-slow device
   c.balance.probe_every = 4        # steps between speed samples (and decisions)
   c.balance.probe_size = 0         # probe: 0 = the model's MLP block; else [size, size] matmuls
   c.balance.probe_repeats = 1      # probe passes in a row

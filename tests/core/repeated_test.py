@@ -31,7 +31,7 @@ def _toy(counts, widths):
   ran = []
   record = lambda i: ran.append(int(i))
   put = lambda a: mesh_lib.put(np.asarray(a, np.int32), mesh, P(mesh_lib.TENSOR))
-  plan = plan_lib.Plan({"mlp": put(counts)}, (("mlp", widths),))
+  plan = plan_lib.Plan({"mlp": put(counts)}, (("mlp", widths),), idle=0 in counts)
 
   def head(x, w):
     jax.debug.callback(record, jax.lax.axis_index(mesh_lib.TENSOR))
@@ -92,7 +92,7 @@ def _toy_norm(counts, other, widths, which):
   ran = []
   put = lambda a: mesh_lib.put(np.asarray(a, np.int32), mesh, P(mesh_lib.TENSOR))
   plan = plan_lib.Plan({"mlp": put(counts), "heads": put(other)},
-                       (("mlp", widths), ("heads", widths)))
+                       (("mlp", widths), ("heads", widths)), idle=0 in counts + other)
   graphdef, state = nnx.split(_Scale(8, lambda i: ran.append(int(i))))
 
   def local(x, state, plan):
@@ -148,7 +148,10 @@ def test_the_draining_path_trains_like_the_plain_one():
 
   state = eng.to_padded(eng.init_logical(0), layout(False))
   batch = eng.shard_batch(H.make_batch("gpt"))
-  plans = [eng.plan(layout(zero)) for zero in (False, True)]
+  # Nobody owns nothing here: a bucket with the width 0 compiles no draining path unless the
+  # plan says a device may be idle (as warm-up compiles it for a policy that may drain).
+  assert not repeated.drains(eng.plan(layout(True)))
+  plans = [eng.plan(layout(False)), eng.plan(layout(True)).with_idle()]
   assert [repeated.drains(p) for p in plans] == [False, True]
   (value, _), (drain_value, _) = [eng.loss(state.params, batch, p) for p in plans]
   grads = [jax.jit(jax.grad(lambda s, p: eng.loss(s, batch, p)[0]))(state.params, p)
@@ -213,4 +216,12 @@ def test_under_the_pallas_kernel_a_device_without_heads_skips_the_softmax_outsid
   even = L.Layout.for_model(d_model=H.GPT_KW["d_model"], num_heads=H.GPT_KW["num_heads"],
                             d_ff=H.GPT_KW["d_ff"], num_devices=N)
   drains, program = jaxpr(even, eng.to_padded(eng.init_logical(0), even).params)
+  assert not drains and not any(e.primitive.name == "cond" for e, _ in _walk(program))
+  # Nor in a bucket that compiles the width 0 while every device owns units (the conds would
+  # cost every step, drained device or not); warm-up compiles the idle variant beside it.
+  busy = L.Layout(**{k: L.UnitLayout.from_counts(
+      k, c, capacity=16 if k == "mlp" else 3, widths=L.default_widths(16 if k == "mlp" else 3, 2,
+                                                                      zero=True))
+      for k, c in {"mlp": (13, 12, 12, 11), "heads": (2, 2, 2, 2)}.items()})
+  drains, program = jaxpr(busy, eng.to_padded(eng.init_logical(0), busy).params)
   assert not drains and not any(e.primitive.name == "cond" for e, _ in _walk(program))
