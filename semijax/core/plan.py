@@ -39,10 +39,11 @@ class Plan:
     kernel: static, how a device of an exact block without offload computes its width when
       several are compiled (`width_gemm.KERNELS`): "switch" (`lax.switch` over `widths`),
       "pallas" (one program whose GEMMs skip the units past `active`) or "auto".
-    idle: static, whether some device owns no unit of some kind: then a device without units
-      of a kind skips the work that only feeds them, and a drained device (none of any kind)
-      the embedding, the head and the loss, in conds (`core.repeated`). Static so that a step
-      in which every device owns units of every kind has no conds: a layout with a zero count
+    idle: static, whether some device owns no unit of a kind that compiles the width 0 (a
+      count 0 in a bucket without it computes the narrowest width): then a device without
+      units of a kind skips the work that only feeds them, and a drained device (none of any
+      kind) the embedding, the head and the loss, in conds (`core.repeated`). Static so that a
+      step in which every device owns units has no conds: a layout with such a zero count
       compiles its own step (warm-up compiles it ahead where a policy may drain,
       `balance.warmup`).
   """
@@ -131,7 +132,8 @@ def make_plan(layout: layout_lib.Layout, mesh: jax.sharding.Mesh, *, resize=None
     resize = jax.tree.map(put, resize)
   if offload is not None:
     offload = _offload_plans(layout, mesh, offload)
-  idle = offload is None and any(0 in u.counts for u in layout.kinds().values())
+  idle = offload is None and any(0 in u.counts and 0 in kind_widths[k]
+                                 for k, u in layout.kinds().items())
   return Plan(active, tuple(kind_widths.items()), resize, offload, kernel, idle)
 
 

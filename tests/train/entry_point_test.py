@@ -31,7 +31,8 @@ class Case:
 CASES = {
     "config_option": Case((), r"config\b.*unknown option 'gpu'", config="configs/gpt_tiny.py:gpu"),
     "config_file": Case((), r"config: no config file at 'configs/nope\.py'; configs/ has "
-                        r"gpt_gpu\.py, gpt_harmony\.py, gpt_tiny\.py, vit_digits\.py$",
+                        r"gpt_gpu\.py, gpt_harmony\.py, gpt_tiny\.py, llama_tiny\.py, "
+                        r"vit_digits\.py$",
                         config="configs/nope.py"),
     "config_file_with_override": Case(("--config.steps=3",), r"config: no config file at ",
                                       config="configs/nope.py"),
