@@ -154,10 +154,27 @@ def load(name, arg="cpu"):
   return config_lib.load(os.path.join(ROOT, "configs", f"{name}.py:{arg}"))
 
 
-def tiny_gpt(tensor=4, steps=6, **layout):
-  """gpt_tiny shrunk so a run compiles in seconds."""
-  c = load("gpt_tiny", f"cpu,tensor={tensor}")
-  c.model.update(dict(seq_len=16, d_model=32, num_heads=8, d_ff=64, num_layers=1))
+def peer_semijax_loss(s, precision, layout_name):
+  """(semijax's mean loss of the peer benchmark's batch in its layout `layout_name`, the logical
+  host params) for `benchmarks.peer.Settings` `s`."""
+  from benchmarks import peer                    # benchmark code, only for the peer tests
+  from semijax import models
+  from semijax.train import optimizer as optimizer_lib
+  model_fn, loss_terms = models.build(peer.spec(s, precision))
+  tx = optimizer_lib.make(optimizer_lib.OptimizerSpec(), 10)
+  engine = engine_lib.Engine(model_fn, loss_terms, mesh_lib.make_mesh(1, s.tensor), tx)
+  lay = peer.layouts(s)[layout_name]
+  state = engine.init(s.seed, lay)
+  loss, _ = jax.jit(engine.loss)(state.params, engine.shard_batch(peer.batch(s)),
+                                 engine.plan(lay))
+  return float(loss), engine.logical_arrays(engine.init_logical(s.seed)).params
+
+
+def tiny_run(config: str, model: dict, tensor=4, steps=6, **layout):
+  """The `config` file's cpu variant (e.g. "gpt_tiny") with `model` fields, shrunk so a run
+  compiles in seconds; `layout` sets config.layout fields."""
+  c = load(config, f"cpu,tensor={tensor}")
+  c.model.update(model)
   c.layout.num_widths = 2
   c.batch_size, c.steps = 8, steps
   c.eval_every = c.log_every = 1
@@ -167,6 +184,12 @@ def tiny_gpt(tensor=4, steps=6, **layout):
   for kind, counts in layout.items():
     c.layout[kind] = counts
   return c
+
+
+def tiny_gpt(tensor=4, steps=6, **layout):
+  """gpt_tiny shrunk so a run compiles in seconds."""
+  return tiny_run("gpt_tiny", dict(seq_len=16, d_model=32, num_heads=8, d_ff=64, num_layers=1),
+                  tensor, steps, **layout)
 
 
 def record_closes(monkeypatch) -> list:

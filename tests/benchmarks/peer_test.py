@@ -12,34 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers as H
 from benchmarks import peer
 from benchmarks import plain_gpt
-from semijax import models
-from semijax.core import engine as engine_lib
-from semijax.core import mesh as mesh_lib
-from semijax.train import optimizer as optimizer_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = peer.Settings(d_model=32, d_ff=64, heads=8, layers=2, seq_len=16, batch=8, tensor=4,
                      uneven=0.5, num_widths=3, steps=2, rounds=2)
 
 
-def semijax_loss(s, precision, layout_name):
-  """(semijax's mean loss of `peer.batch(s)` in `layout_name`, the logical host params)."""
-  model_fn, loss_terms = models.build(peer.spec(s, precision))
-  tx = optimizer_lib.make(optimizer_lib.OptimizerSpec(), 10)
-  engine = engine_lib.Engine(model_fn, loss_terms, mesh_lib.make_mesh(1, s.tensor), tx)
-  lay = peer.layouts(s)[layout_name]
-  state = engine.init(s.seed, lay)
-  loss, _ = jax.jit(engine.loss)(state.params, engine.shard_batch(peer.batch(s)),
-                                 engine.plan(lay))
-  return float(loss), engine.logical_arrays(engine.init_logical(s.seed)).params
-
-
 @pytest.mark.parametrize("precision,rtol", [("float32", 2e-6), ("bfloat16", 1e-3)])
 @pytest.mark.parametrize("layout_name", ["even", "uneven"])
 def test_plain_gpt_computes_semijax_loss_from_the_same_parameters(precision, rtol, layout_name):
-  want, logical = semijax_loss(TINY, precision, layout_name)
+  want, logical = H.peer_semijax_loss(TINY, precision, layout_name)
   got = plain_gpt.loss(peer.plain_params(logical), peer.batch(TINY), num_heads=TINY.heads,
                        dtype=jnp.dtype(precision))
   assert float(got) == pytest.approx(want, rel=rtol)
@@ -51,7 +36,7 @@ def test_plain_gpt_computes_semijax_loss_from_the_same_parameters(precision, rto
 
 
 def test_plain_gpt_runs_its_gemms_in_the_compute_dtype_and_returns_float32_logits():
-  logical = semijax_loss(TINY, "float32", "even")[1]
+  logical = H.peer_semijax_loss(TINY, "float32", "even")[1]
   tokens = peer.batch(TINY)["inputs"]
   fn = lambda p: plain_gpt.logits(p, tokens, num_heads=TINY.heads, dtype=jnp.bfloat16)
   jaxpr = jax.make_jaxpr(fn)(peer.plain_params(logical))

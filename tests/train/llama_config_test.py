@@ -15,18 +15,8 @@ from semijax.train import loop as train
 
 def tiny_llama(tensor=4, steps=6, **layout):
   """llama_tiny:cpu shrunk so a run compiles in seconds: 4 KV groups of 2 query heads."""
-  c = H.load("llama_tiny", f"cpu,tensor={tensor}")
-  c.model.update(dict(seq_len=16, d_model=32, num_heads=8, num_kv_heads=4, d_ff=64,
-                      num_layers=1))
-  c.layout.num_widths = 2
-  c.batch_size, c.steps = 8, steps
-  c.eval_every = c.log_every = 1
-  c.checkpoint_every = 3
-  c.data.eval_batches = 1
-  c.optimizer.warmup_steps = 2
-  for kind, counts in layout.items():
-    c.layout[kind] = counts
-  return c
+  return H.tiny_run("llama_tiny", dict(seq_len=16, d_model=32, num_heads=8, num_kv_heads=4,
+                                       d_ff=64, num_layers=1), tensor, steps, **layout)
 
 
 def test_the_cpu_variant_is_gpt_tiny_sized_and_learns(tmp_path):
