@@ -307,7 +307,7 @@ def _probe_times(base, core: int) -> dict:
   run = config_lib.validate(base)
   block = probe_lib.ProbeShape.of_block(run.model, tensor_lib.step_tokens(run), run.mesh.tensor)
   probe = probe_lib.Probe(probe_lib.ProbeShape.configured(base.balance.probe_size, block),
-                          base.balance.probe_repeats)
+                          max(1, base.balance.probe_repeats))
   probe.warm_up()
   return {pattern: measure_speeds(probe, core, pattern, seconds)[0]
           for pattern, seconds in (("none", 2.0), ("steady", 3.0))}

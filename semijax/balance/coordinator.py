@@ -185,6 +185,8 @@ class Balancer:
     self._new_regime |= sample.new_regime
     self.stats.add(probe_s=sample.probe_s)
     self.stats.counts["probes"] = self.sampler.samples
+    if self.sampler.probe is not None and hasattr(self.sampler.probe, "repeats"):
+      self.stats.counts["probe_passes"] = self.sampler.probe.repeats
     # Calibrate with this sample's speeds, measured over the same steps (the tracker's smoothed
     # speeds lag a change, and would pair the new step times with the old speeds).
     cost = self.controller.cost
@@ -198,6 +200,7 @@ class Balancer:
       out["balance/choice"] = float(controller_lib.CANDIDATE_NAMES.index(d.choice))
       self.log.write({**d.to_json(), "measured_s": round(sample.mean_s, 6),
                       "sample_s": round(sample.probe_s, 6), "clock_s": round(sample.clock_s, 3),
+                      "sampled_speeds": [round(float(v), 4) for v in sample.raw_speeds],
                       "cost": {"fixed_s": round(cost.fixed_s, 5),
                                "per_load_s": round(cost.per_load_s, 5),
                                "move_s": round(cost.move_s, 5),

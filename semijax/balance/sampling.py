@@ -7,6 +7,13 @@ numbers and the mean step time since the last sample are shared between processe
 clock (the sum of shared mean step times) and the smoothed step time are identical on every
 process, so decisions taken from a sample are too.
 
+The probe is sized and filtered for time-shared devices. With `balance.probe_repeats` 0 the
+first sample sizes it: as many passes as fit in `probe_budget` of the time between two samples,
+from every device's pass time and the slowest process's step time, shared so that every process
+runs the same probe. Its speeds are then the median of its last `probe_window` samples: a probe
+shorter than a scheduler slice sometimes runs whole on a shared core and reads as fast, and one
+such sample alone would otherwise start a new regime.
+
 With a few processes, sharing goes through the job's key-value store (`jax.distributed`'s
 coordinator), not a device collective: a few hundred bytes per process, no XLA program and no
 device synchronization (measured here with 2 processes: 0.6 ms a sample, against 4-7 ms for
@@ -17,6 +24,7 @@ slow. Every process reads every record from the coordinator, P^2 reads a sample,
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -43,7 +51,8 @@ class Sample:
   """One shared speed sample.
 
   Attributes:
-    times: float [N], relative time of the same work on each tensor device (slowest = largest).
+    times: float [N], relative time of the same work on each tensor device (slowest = largest;
+      the probe's: the median of its last `probe_window` samples).
     mean_s: mean step seconds since the previous sample (the slowest process's).
     clock_s: the shared clock after those steps.
     probe_s: seconds this sample cost.
@@ -55,6 +64,13 @@ class Sample:
   clock_s: float
   probe_s: float
   new_regime: bool
+  raw: np.ndarray | None = None
+
+  @property
+  def raw_speeds(self) -> np.ndarray:
+    """float [N]: this sample's own relative speeds, before the probe's window (fastest = 1)."""
+    raw = self.times if self.raw is None else self.raw
+    return raw.min() / raw
 
   @property
   def speeds(self) -> np.ndarray:
@@ -132,11 +148,16 @@ class SpeedSampler:
     self.measure = resolve_measure(settings.measure, hetero)
     self.every = 1 if self.measure == "emulated" else settings.probe_every
     self.probe = None
+    self._budget = None      # the probe's share of the time between samples, until it is sized
+    window = 1
     if self.measure == "probe":
       self.probe = probe_lib.Probe(probe_lib.ProbeShape.configured(settings.probe_size, block),
-                                   settings.probe_repeats)
+                                   max(1, settings.probe_repeats))
+      self._budget = settings.probe_budget if settings.probe_repeats == 0 else None
+      window = settings.probe_window
     elif self.measure == "sched":
       self.probe = speed_lib.SchedShare()
+    self._recent = collections.deque(maxlen=window)   # relative times [N] of the last samples
     num_devices = mesh.shape[mesh_lib.TENSOR]
     self.tracker = speed_lib.SpeedTracker(num_devices, alpha=settings.speed_alpha,
                                           threshold=settings.change_threshold,
@@ -185,14 +206,20 @@ class SpeedSampler:
     """Measures, shares and tracks one sample over the pending steps' seconds; a `provisional`
     one (`trial`) is not counted: no probe time, no sample, no clock."""
     t0 = time.perf_counter()
-    local = self.probe.measure() if self.probe is not None else {}
     mean_s = float(np.mean(self._pending))
+    if self._budget is not None:
+      self._size_probe(mean_s)
+    local = self.probe.measure() if self.probe is not None else {}
     every, mean_s = (self.gather(local, mean_s) if self.gather is not None
                      else speed_lib.gather_times(local, mean_s))
     if self.probe is not None:
-      times = speed_lib.tensor_times(self.mesh, every)
+      raw = np.asarray(speed_lib.tensor_times(self.mesh, every), np.float64)
     else:
-      times = np.asarray(self.hetero.slowdown_at(step), np.float64)
+      raw = np.asarray(self.hetero.slowdown_at(step), np.float64)
+    self._recent.append(raw / raw.min())
+    times = raw if self._recent.maxlen == 1 else np.median(np.stack(self._recent), axis=0)
+    if provisional:            # warm-up's regime is not the training's: start the window afresh
+      self._recent.clear()
     probe_s = 0.0 if provisional else time.perf_counter() - t0
     if not provisional:
       self.probe_s += probe_s
@@ -203,7 +230,18 @@ class SpeedSampler:
     new_regime = self.tracker.update(times, self.clock_s, provisional=provisional)
     self.step_s = mean_s if self.step_s is None or fresh else (
         (1 - STEP_TIME_ALPHA) * self.step_s + STEP_TIME_ALPHA * mean_s)
-    return Sample(np.asarray(times, np.float64), mean_s, self.clock_s, probe_s, new_regime)
+    return Sample(np.asarray(times, np.float64), mean_s, self.clock_s, probe_s, new_regime, raw)
+
+  def _size_probe(self, step_s: float) -> None:
+    """Sizes the auto-sized probe, once: the passes that fit `probe_budget` of the time between
+    two samples (`every` steps of the slowest process's `step_s`), at the slowest device's pass
+    time. Both are shared first, so that every process picks the same count."""
+    local = self.probe.pass_seconds()
+    every, step_s = (self.gather(local, step_s) if self.gather is not None
+                     else speed_lib.gather_times(local, step_s))
+    self.probe.set_repeats(probe_lib.passes_for(self._budget * self.every * step_s,
+                                                max(every.values())))
+    self._budget = None
 
   def expected_remaining_s(self) -> float:
     return self.tracker.expected_remaining_s(self.clock_s)

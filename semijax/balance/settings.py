@@ -32,7 +32,11 @@ class BalanceSettings:
     probe_every: steps between speed samples (and decisions) of real runs.
     probe_size: 0 = the probe runs the model's MLP block on one device's tokens of a step;
       else [size, size] matmuls.
-    probe_repeats: passes of the probe in a row.
+    probe_repeats: passes of the probe in a row; 0 = as many as fit in `probe_budget`.
+    probe_budget: with `probe_repeats` 0, the probe's share of the time between two samples
+      (sized once, from the first sample's step time and pass time).
+    probe_window: the probe's speeds are the median of its last this many samples (a short
+      probe on a time-shared device reads bimodally; 1 = each sample alone).
     speed_alpha: weight of a new sample in a regime's smoothed speeds (log space).
     change_threshold: a device off its regime's speed by this factor is deviating ...
     confirm: ... and a deviation that lasts this many samples on that device is a new regime.
@@ -70,7 +74,9 @@ class BalanceSettings:
   measure: str = "auto"
   probe_every: int = 4
   probe_size: int = 0
-  probe_repeats: int = 1
+  probe_repeats: int = 0
+  probe_budget: float = 0.03
+  probe_window: int = 3
   speed_alpha: float = 0.3
   change_threshold: float = 0.2
   confirm: int = 2
@@ -100,7 +106,7 @@ class BalanceSettings:
     for name, lo, hi, closed in (
         ("hysteresis", 0, 1, False), ("slow_threshold", 0, 1, False),
         ("resize_budget", 0, 1, False), ("resize_penalty", 0, 1, False),
-        ("skip_budget", 0, 1, False),
+        ("skip_budget", 0, 1, False), ("probe_budget", 0, 1, False),
         ("fixed_fraction", 0, 1, False), ("resize_keep", 0, 1, True),
         ("repeat_share", 0, 1, False),
         ("speed_alpha", 0, 1, True), ("cost_alpha", 0, 1, True),
@@ -118,7 +124,8 @@ class BalanceSettings:
       v = getattr(self, name)
       if not _is_number(v) or not v >= lo:
         raise ConfigError(f"{f}.{name}: must be a number >= {lo}, got {v!r}")
-    for name, lo in (("probe_every", 1), ("probe_size", 0), ("probe_repeats", 1), ("confirm", 1),
+    for name, lo in (("probe_every", 1), ("probe_size", 0), ("probe_repeats", 0),
+                     ("probe_window", 1), ("confirm", 1),
                      ("patience", 1), ("keep_grid", 1), ("min_dwell_steps", 0),
                      ("num_widths", 0)):
       v = getattr(self, name)

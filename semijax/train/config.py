@@ -131,7 +131,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.balance.drain = True           # migrate / semi may move every unit off a too-slow device
   c.balance.probe_every = 4        # steps between speed samples (and decisions)
   c.balance.probe_size = 0         # probe: 0 = the model's MLP block; else [size, size] matmuls
-  c.balance.probe_repeats = 1      # probe passes in a row
+  c.balance.probe_repeats = 0      # probe passes in a row; 0 = as many as fit probe_budget
+  c.balance.probe_budget = 0.03    # ... the probe's share of the time between samples
+  c.balance.probe_window = 3       # probe speeds: median of the last this many samples
   c.balance.speed_alpha = 0.3      # weight of a new speed sample in a regime's smoothed speeds
   c.balance.change_threshold = 0.2 # a speed change by this factor is a candidate new regime ...
   c.balance.confirm = 2            # ... once it lasts this many samples (shorter: a burst)

@@ -36,18 +36,39 @@ def test_the_model_shaped_probe_is_one_devices_mlp_block_in_the_compute_dtype():
   probe = probe_lib.Probe(shape, repeats=3, devices=devices)
   assert probe.flops == 3 * shape.flops
   for args, device in zip(probe._inputs, devices):
-    assert [(a.shape, a.dtype) for a in args] == [((256, 32), jnp.bfloat16),
-                                                 ((32, 24), jnp.bfloat16),
-                                                 ((24, 32), jnp.bfloat16)]
+    assert [(a.shape, a.dtype) for a in args[:3]] == [((256, 32), jnp.bfloat16),
+                                                     ((32, 24), jnp.bfloat16),
+                                                     ((24, 32), jnp.bfloat16)]
     assert all(a.devices() == {device} for a in args)
     got = probe._fn(*args)
     assert got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float64), reference(*args, 3), atol=0.05)
+    np.testing.assert_allclose(np.asarray(got, np.float64), reference(*args[:3], 3), atol=0.05)
   f32 = probe_lib.Probe(probe_lib.ProbeShape(7, 5, 3), repeats=2, devices=devices[:1])
   np.testing.assert_allclose(np.asarray(f32._fn(*f32._inputs[0])),
-                             reference(*f32._inputs[0], 2), rtol=1e-5, atol=1e-6)
-  with pytest.raises(ValueError, match="probe_size / probe_repeats"):
+                             reference(*f32._inputs[0][:3], 2), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="probe_repeats"):
     probe_lib.Probe(shape, repeats=0, devices=devices)
+
+
+def test_the_passes_are_an_argument_of_one_program_and_fit_a_budget():
+  device = jax.local_devices()[0]
+  probe = probe_lib.Probe(probe_lib.ProbeShape(7, 5, 3), repeats=1, devices=[device])
+  for repeats in (1, 4, 2):
+    probe.set_repeats(repeats)
+    assert probe.flops == repeats * probe.shape.flops
+    np.testing.assert_allclose(np.asarray(probe._fn(*probe._inputs[0])),
+                               reference(*probe._inputs[0][:3], repeats), rtol=1e-5, atol=1e-6)
+  assert probe._fn._cache_size() == 1       # one compiled program for every count of passes
+  times = probe.pass_seconds(tries=2)
+  assert list(times) == [device.id] and times[device.id] > 0
+  assert probe.repeats == 2                 # sizing left the passes as they were
+  assert probe_lib.passes_for(0.010, 0.0025) == 4
+  assert probe_lib.passes_for(0.010, 0.004) == 2
+  assert probe_lib.passes_for(0.001, 0.004) == 1      # at least one pass
+  assert probe_lib.passes_for(10.0, 0.001) == probe_lib.MAX_PASSES
+  assert probe_lib.passes_for(0.01, 0.0) == 1
+  with pytest.raises(ValueError, match="probe_repeats"):
+    probe.set_repeats(1.5)
 
 
 def test_every_device_is_dispatched_before_any_is_waited_for_and_timed_from_its_dispatch(

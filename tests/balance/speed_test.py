@@ -103,8 +103,8 @@ def mesh_2x4():
 
 def test_probe_sampler_uses_the_probe_settings_and_the_slowest_replica(monkeypatch):
   settings = settings_lib.BalanceSettings(measure="auto", probe_every=2, probe_size=6,
-                                          probe_repeats=2, speed_alpha=0.25,
-                                          change_threshold=0.3).validate()
+                                          probe_repeats=2, probe_window=1,
+                                          speed_alpha=0.25, change_threshold=0.3).validate()
   monkeypatch.setattr(speed.SchedShare, "available", classmethod(lambda cls: False))
   mesh, grid = mesh_2x4()
   block = probe_lib.ProbeShape(rows=32, d_model=8, width=4)
@@ -141,6 +141,33 @@ def test_probe_sampler_uses_the_probe_settings_and_the_slowest_replica(monkeypat
   assert sampling.SpeedSampler(default, emulation.Hetero(), mesh, block).probe.shape == block
   with pytest.raises(ValueError, match="^balance.probe_size: 0 probes the model's block"):
     sampling.SpeedSampler(default, emulation.Hetero(), mesh)
+
+
+def test_the_probe_is_sized_to_its_budget_and_its_speeds_are_a_windowed_median(monkeypatch):
+  settings = settings_lib.BalanceSettings(measure="probe", probe_every=2, probe_size=6,
+                                          probe_budget=0.1, probe_window=3).validate()
+  mesh, grid = mesh_2x4()
+  s = sampling.SpeedSampler(settings, emulation.Hetero(), mesh)
+  assert s.probe.repeats == 1                      # probe_repeats 0: sized by the first sample
+  ids = [int(d.id) for d in grid.ravel()]
+  passes = {i: 0.002 for i in ids}
+  passes[ids[5]] = 0.004                           # the slowest device's pass sets the count
+  monkeypatch.setattr(s.probe, "pass_seconds", lambda: passes)
+  column_3 = iter([3.0, 2.0, 1.0, 2.0, 1.0, 1.0])  # tensor position 3's time (others 1.0)
+  monkeypatch.setattr(s.probe, "measure", lambda: {i: (next(column_3) if i == ids[3] else 1.0)
+                                                   for i in ids})
+  # The trial (warm-up) sample: 0.1 of 2 steps of 0.12 s = 24 ms, at 4 ms a pass: 6 passes.
+  trial = s.trial(0, 0.12)
+  assert s.probe.repeats == 6
+  np.testing.assert_allclose(trial.times, [1, 1, 1, 3])
+  got = []
+  for step in range(0, 10, 2):
+    got.append(s.after_step(step, 0.1))
+    assert s.probe.repeats == 6                    # sized once
+  # Warm-up's sample left the window: the first training sample's median is its own.
+  np.testing.assert_allclose([g.times[3] for g in got], [2.0, 1.5, 2.0, 1.0, 1.0])
+  np.testing.assert_allclose([g.raw_speeds[3] for g in got], [0.5, 1, 0.5, 1, 1])
+  np.testing.assert_allclose(got[2].speeds, [1, 1, 1, 0.5])   # one fast reading is outvoted
 
 
 def test_sched_sampler_reports_the_process_share_on_every_device(proc, monkeypatch):
