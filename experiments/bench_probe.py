@@ -59,20 +59,22 @@ def main(argv):
   config = run_config(_MODEL.value, _STEPS.value, _EVERY.value, tensor, _PEAK.value)
   workdir = os.path.join(_OUT.value, "run")
   shutil.rmtree(workdir, ignore_errors=True)
-  train.train_and_evaluate(config, workdir)
+  summary = train.train_and_evaluate(config, workdir)
   out = probe_cost.summarize(workdir, _EVERY.value)
+  passes = summary["balance"].get("probe_passes")
   device = jax.devices()[0]
   median = {k: None if out[k] is None else out[k]["median"]
             for k in ("sample_s", "step_s", "mfu", "tflops_per_device")}
   ms = {k: None if median[k] is None else 1e3 * median[k] for k in ("sample_s", "step_s")}
   table = report.markdown_table(
-      ["device", "tensor", "dtype", "probe ms / sample", "step ms", "probe / step",
+      ["device", "tensor", "dtype", "passes", "probe ms / sample", "step ms", "probe / step",
        "amortized", "MFU", "TFLOP/s per device"],
-      [[device.device_kind, tensor, config.model.dtype, report.fmt(ms["sample_s"], ".2f"),
+      [[device.device_kind, tensor, config.model.dtype, passes, report.fmt(ms["sample_s"], ".2f"),
         report.fmt(ms["step_s"], ".1f"), report.fmt(out["sample_share_of_step"], ".1%"),
         report.fmt(out["amortized_share"], ".2%"), report.fmt(median["mfu"], ".1%"),
         report.fmt(median["tflops_per_device"], ".3f")]])
   payload = dict(out, model=_MODEL.value, steps=_STEPS.value, probe_every=_EVERY.value,
+                 probe_passes=passes,
                  tensor=tensor, backend=jax.default_backend(), device=device.device_kind,
                  jax=jax.__version__, dtype=config.model.dtype)
   paths = report.write(_OUT.value, "bench_probe", payload, table)

@@ -210,8 +210,7 @@ class SpeedSampler:
     if self._budget is not None:
       self._size_probe(mean_s)
     local = self.probe.measure() if self.probe is not None else {}
-    every, mean_s = (self.gather(local, mean_s) if self.gather is not None
-                     else speed_lib.gather_times(local, mean_s))
+    every, mean_s = self._share(local, mean_s)
     if self.probe is not None:
       raw = np.asarray(speed_lib.tensor_times(self.mesh, every), np.float64)
     else:
@@ -236,12 +235,16 @@ class SpeedSampler:
     """Sizes the auto-sized probe, once: the passes that fit `probe_budget` of the time between
     two samples (`every` steps of the slowest process's `step_s`), at the slowest device's pass
     time. Both are shared first, so that every process picks the same count."""
-    local = self.probe.pass_seconds()
-    every, step_s = (self.gather(local, step_s) if self.gather is not None
-                     else speed_lib.gather_times(local, step_s))
+    every, step_s = self._share(self.probe.pass_seconds(), step_s)
     self.probe.set_repeats(probe_lib.passes_for(self._budget * self.every * step_s,
                                                 max(every.values())))
     self._budget = None
+
+  def _share(self, local: dict[int, float], extra: float):
+    """({device id: seconds} of every process, the max of `extra` over processes)."""
+    if self.gather is not None:
+      return self.gather(local, extra)
+    return speed_lib.gather_times(local, extra)
 
   def expected_remaining_s(self) -> float:
     return self.tracker.expected_remaining_s(self.clock_s)

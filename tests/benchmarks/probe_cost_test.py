@@ -45,5 +45,6 @@ def test_bench_probe_smoke_run_on_cpu(tmp_path):
   with open(tmp_path / "bench_probe.json") as f:
     out = json.load(f)
   assert out["tensor"] == 2 and out["samples"] >= 1 and out["sample_s"]["median"] > 0
+  assert 1 <= out["probe_passes"] <= 64        # sized to balance.probe_budget
   assert 0 < out["mfu"]["median"] == pytest.approx(out["tflops_per_device"]["median"], rel=1e-9)
   assert (tmp_path / "bench_probe.md").read_text().startswith("| device |")
