@@ -109,10 +109,9 @@ class Injector:
     self._t0 = time.monotonic()
     if self.pattern == "none":
       return self
-    self._proc = subprocess.Popen(
-        [sys.executable, "-S", "-c", _BUSY_LOOP], stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        preexec_fn=launch.child_setup([self.core]))
+    self._proc = launch.spawn(
+        [sys.executable, "-S", "-c", _BUSY_LOOP], [self.core], stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     self._t0 = time.monotonic()
     if self.start_on:
       self._on.append([0.0, None])

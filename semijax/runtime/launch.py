@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from typing import Callable, Sequence
 
 _PR_SET_PDEATHSIG = 1   # from <linux/prctl.h>
@@ -135,6 +136,20 @@ def child_setup(cores: Sequence[int] | None) -> Callable[[], None]:
       os.sched_setaffinity(0, cores)
 
   return setup
+
+
+def spawn(argv: Sequence[str], cores: Sequence[int] | None, **popen_kwargs) -> subprocess.Popen:
+  """`subprocess.Popen(argv)` with `child_setup(cores)` run in the child before it execs.
+
+  A `preexec_fn` makes Python fork through its own hooks, and JAX's hook warns that forking a
+  multithreaded process may deadlock. Not here: between the fork and the exec the child calls
+  only prctl, getppid and sched_setaffinity, which take no lock another thread could hold, so
+  that one warning is silenced for this call alone.
+  """
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
+                            category=RuntimeWarning)
+    return subprocess.Popen(list(argv), preexec_fn=child_setup(cores), **popen_kwargs)
 
 
 def free_port() -> int:
@@ -344,11 +359,11 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
   try:
     for i in range(num_processes):
       with open(log_paths[i], "wb") as log:   # the child keeps its own copy of the descriptor
-        procs.append(subprocess.Popen(
-            list(argv), env=child_env(base, i, platform, devices_per_process, gpus),
-            stdin=subprocess.DEVNULL,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=child_setup(cores[i] if cores else None)))
+        procs.append(spawn(
+            argv, cores[i] if cores else None,
+            env=child_env(base, i, platform, devices_per_process, gpus),
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True))
     while failed is None and None in [p.poll() for p in procs]:   # poll every one
       if time.monotonic() - start > timeout_s:
         running = [i for i, p in enumerate(procs) if p.poll() is None]

@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
+import jax
 import numpy as np
 import pytest
 
@@ -184,6 +186,23 @@ def test_gpu_processes_each_get_their_own_gpus(tmp_path, monkeypatch):
   assert result.ok, result.failure_message()
   got = [open(p).read().splitlines()[1] for p in result.log_paths]
   assert got == ["4|cuda", "2|cuda"]
+
+
+def test_spawning_from_a_jax_process_warns_of_no_fork(tmp_path):
+  jax.numpy.ones(2).block_until_ready()     # JAX's backend and its threads are up
+  out = tmp_path / "affinity"
+  argv = [sys.executable, "-c",
+          f"import os; open({str(out)!r}, 'w').write(str(sorted(os.sched_getaffinity(0))))"]
+  with warnings.catch_warnings(record=True) as plain:
+    warnings.simplefilter("always")
+    subprocess.Popen(argv, preexec_fn=launch.child_setup([0])).wait(timeout=60)
+  forks = lambda ws: [w for w in ws if "os.fork() was called" in str(w.message)]
+  assert forks(plain)                        # what a plain preexec_fn costs in a JAX process
+  with warnings.catch_warnings(record=True) as spawned:
+    warnings.simplefilter("always")
+    assert launch.spawn(argv, [0]).wait(timeout=60) == 0
+  assert not forks(spawned)
+  assert out.read_text() == "[0]"            # the child was still pinned before it ran
 
 
 def test_flag_helpers():
