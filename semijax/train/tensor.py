@@ -150,8 +150,10 @@ class TensorParallel:
     self.state = self.balancer.warm_up(
         self.state, self.engine.shard_batch(self.dataset.train_batch(step)),
         self.eval_batches[0], step=step)
+    sampler = self.balancer.sampler
     return (f"policy {self.balancer.policy.name}, "
-            f"{self.engine.compile_count - compiles_before} step programs compiled")
+            f"{self.engine.compile_count - compiles_before} step programs compiled"
+            + ("" if sampler is None else f"; speeds: {sampler.describe()}"))
 
   def step(self, step: int) -> executor_lib.StepResult:
     """The balancer's layout for `step` (migrating first if it changed), the step (its batch

@@ -24,6 +24,7 @@ def sampler(**kw):
 def test_emulated_samples_every_step_with_a_shared_clock():
   s = sampler(confirm=2)
   assert s.measure == "emulated" and s.every == 1
+  assert s.describe() == "emulated, every step"
   first = s.after_step(0, 0.5)
   assert first.new_regime and first.mean_s == 0.5 and first.clock_s == 0.5
   np.testing.assert_allclose(first.speeds, [0.25, 1, 1, 1])
