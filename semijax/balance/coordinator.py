@@ -185,8 +185,8 @@ class Balancer:
     self._new_regime |= sample.new_regime
     self.stats.add(probe_s=sample.probe_s)
     self.stats.counts["probes"] = self.sampler.samples
-    if self.sampler.probe is not None and hasattr(self.sampler.probe, "repeats"):
-      self.stats.counts["probe_passes"] = self.sampler.probe.repeats
+    if self.sampler.passes is not None:
+      self.stats.counts["probe_passes"] = self.sampler.passes
     # Calibrate with this sample's speeds, measured over the same steps (the tracker's smoothed
     # speeds lag a change, and would pair the new step times with the old speeds).
     cost = self.controller.cost

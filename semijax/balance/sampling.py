@@ -169,13 +169,21 @@ class SpeedSampler:
     self.probe_s = 0.0
     self._pending: list[float] = []
 
+  @property
+  def passes(self) -> int | None:
+    """The probe's passes once sized; None for another source or before the first sample."""
+    if not isinstance(self.probe, probe_lib.Probe) or self._budget is not None:
+      return None
+    return self.probe.repeats
+
   def describe(self) -> str:
-    """The speed source in words, for the console (e.g. "probe, 3 passes every 4 steps")."""
+    """The speed source in words, for the console (e.g. "probe, 3 passes, every 4 steps")."""
     every = "every step" if self.every == 1 else f"every {self.every} steps"
     if not isinstance(self.probe, probe_lib.Probe):
       return f"{self.measure}, {every}"
-    passes = ("passes sized at the first sample" if self._budget is not None
-              else f"{self.probe.repeats} pass{'es' if self.probe.repeats > 1 else ''}")
+    n = self.passes
+    passes = ("passes sized at the first sample" if n is None
+              else f"{n} pass{'es' if n > 1 else ''}")
     return f"probe, {passes}, {every}"
 
   def close(self) -> None:

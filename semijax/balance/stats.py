@@ -18,9 +18,9 @@ class Stats:
 
   Attributes:
     counts: {name: number}: migrations and their seconds (migrate_s); speed samples (probes)
-      and their seconds (probe_s), the probe's passes (probe_passes, once sized); decisions, their seconds (decide_s) and the changes among
-      them; XLA compilations inside training steps (step_compiles); steps whose plan has one
-      width per kind (single_width_steps).
+      and their seconds (probe_s), the probe's passes (probe_passes, once sized); decisions,
+      their seconds (decide_s) and the changes among them; XLA compilations inside training
+      steps (step_compiles); steps whose plan has one width per kind (single_width_steps).
   """
 
   def __init__(self):

@@ -157,10 +157,11 @@ def test_the_probe_is_sized_to_its_budget_and_its_speeds_are_a_windowed_median(m
   monkeypatch.setattr(s.probe, "measure", lambda: {i: (next(column_3) if i == ids[3] else 1.0)
                                                    for i in ids})
   assert s.describe() == "probe, passes sized at the first sample, every 2 steps"
+  assert s.passes is None
   # The trial (warm-up) sample: 0.1 of 2 steps of 0.12 s = 24 ms, at 4 ms a pass: 6 passes.
   trial = s.trial(0, 0.12)
   assert s.probe.repeats == 6
-  assert s.describe() == "probe, 6 passes, every 2 steps"
+  assert s.describe() == "probe, 6 passes, every 2 steps" and s.passes == 6
   np.testing.assert_allclose(trial.times, [1, 1, 1, 3])
   got = []
   for step in range(0, 10, 2):
