@@ -123,14 +123,8 @@ class WarmUp:
         setup = Setup(setup.owned, {k: buckets_lib.shift_one(u.counts, u.capacity)
                                     for k, u in layout.kinds().items()})
       plan = self.plans.build(layout, kind, setup, resize)
-      for p in (plan, plan.with_idle()) if _may_idle(plan) else (plan,):
+      # A bucket that may leave a device without units compiles that variant too (`Plan.idle`).
+      for p in (plan, plan.with_idle()) if plan.may_idle and not plan.idle else (plan,):
         self.engine.compile(state, batch, p, eval_batch)
         self.engine.exercise(state, batch, p)
 
-
-def _may_idle(plan) -> bool:
-  """Whether a step of `plan`'s bucket may run with a device that owns no unit of some kind (a
-  kind compiles the width 0, without offload) while `plan` itself has none: its variant for
-  such layouts (`Plan.idle`) is then compiled too."""
-  return (plan.offload is None and not plan.idle
-          and any(0 in widths for _, widths in plan.widths))

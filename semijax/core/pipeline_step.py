@@ -68,10 +68,10 @@ class PipeStep:
     mbs = jax.tree.map(lambda x: x.reshape((m_count, -1) + x.shape[1:]), batch)
     over_data = (lambda x: x) if per_replica else (lambda x: jax.lax.psum(x, DATA))
     total = over_data(jnp.sum(batch["weights"]))
-    # A stage's devices may own nothing wherever its bucket compiles the width 0 (`Plan.idle`).
     plan = plan_lib.Plan({k: v.reshape(1) for k, v in pplan.active.items()}, pplan.widths,
-                         kernel=self.kernel,
-                         idle=any(0 in widths for _, widths in pplan.widths))
+                         kernel=self.kernel)
+    if plan.may_idle:   # a stage's devices may own nothing wherever its bucket compiles width 0
+      plan = plan.with_idle()
     count = pplan.layers.reshape(())
     table = jnp.take(pplan.table[0], s, axis=1)                         # [T, 2]
     shared = jax.tree.map(lambda x: mesh_lib.vary(x, (DATA, PIPE)), params[SHARED])

@@ -59,6 +59,12 @@ class Plan:
     """The same plan compiled for devices without units (`idle`)."""
     return dataclasses.replace(self, idle=True)
 
+  @property
+  def may_idle(self) -> bool:
+    """Static: whether a layout of this plan's bucket may leave a device without units of some
+    kind (a kind compiles the width 0, without offload), so that its `idle` variant exists."""
+    return self.offload is None and any(0 in w for _, w in self.widths)
+
   def runs_pallas(self, kind: str) -> bool:
     """Whether this plan's blocks of `kind` run the pallas kernel (`runs_pallas`)."""
     return runs_pallas(self.kernel, self.widths_of(kind), self.resize, self.offload)
