@@ -14,17 +14,19 @@ same `semijax.train.optimizer` settings), from the same initial parameters, on t
             them through the `lax.switch` over the widths, so the cell measures what branching
             costs.
 
-Every step is synced on its loss. The programs run in interleaved rounds (plain, even, uneven of
-each precision, then again), each round one untimed step and `steps` timed ones per program; a
-cell reports the median over rounds of the round medians, with the rounds' min and max, model
-TFLOP/s (`benchmarks.mfu.step_flops` of the whole model over the median), and the ratio of
-semijax's median over the plain median of the same precision.
+Every step is synced on its loss. The programs run in interleaved rounds (`benchmarks.rounds`:
+every program of every precision once per round, in an order that changes from round to round),
+each round one untimed step and `steps` timed ones per program; a cell reports the median over
+rounds of the round medians, with the rounds' min and max, model TFLOP/s
+(`benchmarks.mfu.step_flops` of the whole model over the median), and the ratio of semijax's
+round median over the plain one of the same precision and round (its median over rounds).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,7 @@ from benchmarks import mfu
 from benchmarks import plain_gpt
 from benchmarks import plain_llama
 from benchmarks import report
+from benchmarks import rounds as rounds_lib
 from semijax import models
 from semijax.core import engine as engine_lib
 from semijax.core import layout as layout_lib
@@ -241,8 +244,10 @@ def time_round(program: Program, steps: int) -> list[float]:
   return times
 
 
-def run(s: Settings) -> dict:
-  """Builds, warms up and times every (precision, program) cell; returns the JSON payload."""
+def run(s: Settings, after_round: Callable[[dict], None] | None = None) -> dict:
+  """Builds, warms up and times every (precision, program) cell in `s.rounds` interleaved
+  rounds; returns the JSON payload, and hands the payload of the rounds so far to
+  `after_round` after each."""
   host_batch = batch(s)
   cells, first_loss, layout_json = {}, {}, {}
   for precision in s.precision:
@@ -257,12 +262,21 @@ def run(s: Settings) -> dict:
     widths = plan_lib.uniform_widths(lay) if name == "even" else None
     layout_json[name] = {k: {"counts": list(u.counts), "widths": list((widths or {}).get(
         k, u.widths))} for k, u in lay.kinds().items()}
-  round_ms = {key: [] for key in cells}
-  for _ in range(s.rounds):
-    for key, program in cells.items():
-      round_ms[key].append(1e3 * float(np.median(time_round(program, s.steps))))
+  keys = {f"{p}/{name}": (p, name) for p, name in cells}
+  measures = {k: (lambda prog=cells[key]: 1e3 * float(np.median(time_round(prog, s.steps))))
+              for k, key in keys.items()}
   flops = mfu.step_flops(spec(s, "float32"), spec(s, "float32").num_units(),
                          s.batch * s.seq_len, VOCAB)
+
+  def payload(figures):
+    return _payload(s, {keys[k]: v for k, v in figures.items()}, first_loss, layout_json, flops)
+  after = None if after_round is None else (lambda figures: after_round(payload(figures)))
+  return payload(rounds_lib.interleave(measures, s.rounds, after_round=after))
+
+
+def _payload(s: Settings, round_ms: dict, first_loss: dict, layout_json: dict,
+             flops: float) -> dict:
+  """The JSON payload of the rounds done ({(precision, program): [ms per round]})."""
   out_cells = []
   for (precision, name), ms in round_ms.items():
     median = float(np.median(ms))
@@ -271,14 +285,15 @@ def run(s: Settings) -> dict:
         "min_ms": min(ms), "max_ms": max(ms), "tflops": flops / (median * 1e-3) / 1e12,
         "first_loss": first_loss[(precision, name)],
         "attention": spec(s, precision).precision.attention_impl(s.d_model // s.heads)})
-  median = {(c["precision"], c["program"]): c["median_ms"] for c in out_cells}
-  ratios = [{"precision": p, "even_over_plain": median[(p, "even")] / median[(p, "plain")],
-             "uneven_over_plain": median[(p, "uneven")] / median[(p, "plain")]}
-            for p in s.precision]
+  ratios = [{"precision": p,
+             **{f"{name}_over_plain": rounds_lib.ratio_stats(
+                 round_ms[(p, name)], round_ms[(p, "plain")])["median"]
+                for name in ("even", "uneven")}} for p in s.precision]
   device = jax.devices()[0]
   return {"settings": dataclasses.asdict(s), "backend": jax.default_backend(),
           "device": device.device_kind, "devices": s.tensor, "jax": jax.__version__,
-          "model_flops": flops, "layouts": layout_json, "cells": out_cells, "ratios": ratios}
+          "model_flops": flops, "layouts": layout_json, "cells": out_cells, "ratios": ratios,
+          "rounds_done": min(len(v) for v in round_ms.values())}
 
 
 PROGRAM_NAMES = {"plain": "plain JAX", "even": "semijax even", "uneven": "semijax uneven"}
@@ -286,10 +301,11 @@ PROGRAM_NAMES = {"plain": "plain JAX", "even": "semijax even", "uneven": "semija
 
 def table(payload: dict) -> str:
   """The markdown table of a payload of `run`."""
-  median = {(c["precision"], c["program"]): c["median_ms"] for c in payload["cells"]}
+  rounds = {(c["precision"], c["program"]): c["round_ms"] for c in payload["cells"]}
   rows = [[c["precision"], c["attention"], PROGRAM_NAMES[c["program"]], c["median_ms"],
-           f"{c['min_ms']:.3g}-{c['max_ms']:.3g}", c["tflops"],
-           f"{c['median_ms'] / median[(c['precision'], 'plain')]:.2f}"]
+           f"{c['min_ms']:.3g}-{c['max_ms']:.3g}", c["tflops"], rounds_lib.cell(
+               rounds_lib.ratio_stats(c["round_ms"], rounds[(c["precision"], "plain")]), ".2f")]
           for c in payload["cells"]]
   return report.markdown_table(["precision", "attention", "program", "ms/step (median)",
-                                "min-max of rounds", "model TFLOP/s", "x plain"], rows)
+                                "min-max of rounds", "model TFLOP/s",
+                                "x plain, per round (min-max)"], rows)

@@ -21,13 +21,16 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 
 def write(out_dir: str, name: str, payload: dict, table: str) -> dict:
-  """Writes `name`.json and `name`.md under out_dir; returns their paths."""
+  """Writes `name`.json and `name`.md under out_dir, each whole or not at all (a benchmark
+  killed by its time limit while rewriting them leaves the previous round's); returns their
+  paths."""
   os.makedirs(out_dir, exist_ok=True)
   paths = {"json": os.path.join(out_dir, f"{name}.json"), "md": os.path.join(out_dir, f"{name}.md")}
-  with open(paths["json"], "w") as f:
-    json.dump(payload, f, indent=2, sort_keys=True)
-  with open(paths["md"], "w") as f:
-    f.write(table)
+  texts = {"json": json.dumps(payload, indent=2, sort_keys=True), "md": table}
+  for kind, path in paths.items():
+    with open(path + ".tmp", "w") as f:
+      f.write(texts[kind])
+    os.replace(path + ".tmp", path)
   return paths
 
 

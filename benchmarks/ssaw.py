@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from benchmarks import report
+from benchmarks import rounds as rounds_lib
 from benchmarks import straggler as straggler_lib
 from semijax.core import emulation
 from semijax.core import plan as plan_lib
@@ -188,7 +189,7 @@ def _cells(models, settings, variants, rounds, make_config, run, part):
   for model in models:
     for setting in settings:
       cell = out.setdefault(model, {}).setdefault(setting, {v: [] for v in variants})
-      for r, order in enumerate(straggler_lib.round_orders(variants, rounds)):
+      for r, order in enumerate(rounds_lib.round_orders(variants, rounds)):
         for variant in order:
           base = make_config(model, setting)
           rec = run(variant_config(base, variant, r), model, setting, variant, r,

@@ -17,7 +17,7 @@ Emulated slowdowns (`run_emulated`, one process, 8 fake devices): the authors' s
 (8, 6, 4, 2, 1, 1, 1, 1) and their rotating straggler (8 on one device, moving every few steps).
 
 This machine drifts (other jobs, heat, the page cache), so every cell runs in `rounds`
-interleaved rounds (`round_orders`): a round runs every policy of a scenario once, and the
+interleaved rounds (`rounds.round_orders`): a round runs every policy of a scenario once, and the
 order of the policies rotates from round to round, so that drift hits every policy alike.
 Round r trains from seed `base seed + r`, for every policy: within a round every run starts from
 the same model and data order (the paired baseline), and the rounds are the seeds of the
@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from benchmarks import report
+from benchmarks import rounds as rounds_lib
 from semijax.balance import probe as probe_lib
 from semijax.balance import speed
 from semijax.core import layout as layout_lib
@@ -155,23 +156,6 @@ def policy_config(base, policy: str, oracle_speeds, seed: int | None = None,
     for kind, units in (("mlp", c.model.d_ff), ("heads", c.model.num_heads)):
       c.layout[kind] = split_counts(units, oracle_speeds, repeat)
   return c
-
-
-def round_orders(policies, rounds: int) -> list[list[str]]:
-  """The order of `policies` in each of `rounds` rounds: rows of a Williams design, spaced by
-  about len / rounds (at least one), so that every policy runs early in one round and late in
-  another, and follows a different policy in each round (a run that leaves the machine slower
-  or faster, say by its garbage or its competitor's timing, then does not always hit the same
-  next policy). Row r runs policy (first[k] + r) mod n at place k, first = 0, 1, n-1, 2, n-2..."""
-  policies = list(policies)
-  n = max(len(policies), 1)
-  first = [0]
-  for k in range(1, n):
-    first.append((k + 1) // 2 if k % 2 else n - k // 2)
-  shifts = [(r % n if rounds >= n else (r * n) // rounds) for r in range(rounds)]
-  if not policies:
-    return [[] for _ in shifts]
-  return [[policies[(f + s) % n] for f in first] for s in shifts]
 
 
 def _root() -> str:
@@ -391,7 +375,7 @@ def run_real_worker(out: str, *, quick: bool, scenarios, policies, on_s: float, 
          "speeds": {k: v.tolist() for k, v in speeds.items()},
          "times": {k: v.tolist() for k, v in times.items()},
          "bursts": {"on_s": on_s, "off_s": off_s}, "config": json.loads(base.to_json()),
-         "orders": round_orders(policies, rounds), "runs": runs}
+         "orders": rounds_lib.round_orders(policies, rounds), "runs": runs}
   for r, order in enumerate(raw["orders"]):
     for scenario in scenarios:
       scenario_base = real_config(quick, scenario)
@@ -429,7 +413,7 @@ def run_emulated(out: str, *, quick: bool, scenarios, policies, rounds: int = RO
     speeds[scenario] = (1.0 / (np.full_like(profile, profile.mean()) if rotating
                                else profile)).tolist()
   raw = {"mode": "emulated", "quick": quick, "rounds": rounds, "speeds": speeds,
-         "orders": round_orders(policies, rounds), "runs": runs,
+         "orders": rounds_lib.round_orders(policies, rounds), "runs": runs,
          "profiles": {"static_profile": PROFILE, "rotating": ROTATING}}
   for r, order in enumerate(raw["orders"]):
     for scenario in scenarios:

@@ -7,16 +7,18 @@ The engine's training step (forward, backward, AdamW) of a GPT on a single devic
 that computes w of its units in every block, at each bucket width w, in two programs: the
 single-width step (compiled for w alone) and the branched step that an uneven split runs, with
 each width kernel of `--kernels` (`layout.kernel`: "switch", a `lax.switch` over every width;
-"pallas", one program whose GEMMs skip the units past w). Reports seconds per step, the model FLOPs of the units computed
-(`benchmarks.mfu.step_flops`), the achieved TFLOP/s and the MFU against the device's peak
-for its compute dtype (`--peak_tflops`, or the table in benchmarks/mfu.py for known GPUs). Models: `bench`, the
-straggler benchmark's (d_model 256, d_ff 1024, 2 layers, batch 16 x 64 tokens), and `gpt_tiny`,
+"pallas", one program whose GEMMs skip the units past w). Reports seconds per step, the model
+FLOPs of the units computed (`benchmarks.mfu.step_flops`), the achieved TFLOP/s and the MFU
+against the device's peak for its compute dtype (`--peak_tflops`, or the table in
+benchmarks/mfu.py for known GPUs). Models: `bench`, the straggler benchmark's (d_model 256,
+d_ff 1024, 2 layers, batch 16 x 64 tokens), and `gpt_tiny`,
 configs/gpt_tiny.py's default GPU size (d_model 512, d_ff 2048, 6 layers, batch 64 x 256, in
-bfloat16; the others in float32). `--dtype` sets the compute dtype of either.
-Writes --out_dir/bench_mfu.{json,md}.
+bfloat16; the others in float32). `--dtype` sets the compute dtype of either. Every
+(width, program) cell runs `--steps` steps once per round, in `--rounds` interleaved rounds;
+the branched step's cost over the single-width one is taken round by round. Writes
+--out_dir/bench_mfu.{json,md}, rewritten after every round.
 """
 
-import dataclasses
 import os
 import sys
 
@@ -38,7 +40,9 @@ _MODEL = flags.DEFINE_enum("model", "bench", ["bench", "gpt_tiny", "tiny"],
                            "bench: the straggler benchmark's model; gpt_tiny: the GPU default; "
                            "tiny: a few-second smoke test.")
 _WIDTHS = flags.DEFINE_integer("num_widths", 6, "Compiled bucket widths per kind.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per program (median reported).")
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per program and round (their median "
+                              "is the round's figure).")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds.")
 _KERNELS = flags.DEFINE_list("kernels", ["switch", "pallas"],
                              "Width kernels of the branched step (layout.kernel).")
 _PEAK = flags.DEFINE_float("peak_tflops", 0.0, "The device's peak TFLOP/s (0: look it up).")
@@ -67,6 +71,9 @@ def main(argv):
   bad = [k for k in _KERNELS.value if k not in ("switch", "pallas")]
   if bad:
     raise app.UsageError(f"--kernels: unknown {bad}; choose from ['switch', 'pallas']")
+  for flag in (_STEPS, _ROUNDS):
+    if flag.value < 1:
+      raise app.UsageError(f"--{flag.name}: must be at least 1, got {flag.value}")
   run = config_lib.validate(model_config(_MODEL.value, _WIDTHS.value, _DTYPE.value),
                             jax.device_count(), jax.process_count())
   if run.mesh.tensor != 1 or run.mesh.data != 1:
@@ -74,44 +81,33 @@ def main(argv):
   engine = train.build_engine(run)
   dataset = data_lib.build(run.data, *mesh_lib.batch_feed(engine.mesh))
   batch = engine.shard_batch(dataset.train_batch(0))
-  layout = run.layout
-  state = engine.init(run.seed, layout)
   device = jax.devices()[0]
   dtype = run.model.precision.dtype
   peak = mfu.peak_tflops(device.device_kind, _PEAK.value, dtype)
   tokens = run.batch_size * run.model.seq_len
   vocab = run.model.kwargs["vocab_size"]
-  rows, results = [], []
-  for i, w_mlp in enumerate(layout.mlp.widths):
-    w_heads = layout.heads.widths[min(i, len(layout.heads.widths) - 1)]
-    at = layout.replace(mlp=layout.mlp.with_active([w_mlp]),
-                        heads=layout.heads.with_active([w_heads]))
-    flops = mfu.step_flops(run.model, {"mlp": w_mlp, "heads": w_heads}, tokens, vocab)
-    r = {"mlp_width": w_mlp, "heads_width": w_heads, "model_flops": flops}
-    programs = [("single", engine.plan(at, widths={"mlp": (w_mlp,), "heads": (w_heads,)}))]
-    programs += [(k, dataclasses.replace(engine.plan(at), kernel=k)) for k in _KERNELS.value]
-    for kind, plan in programs:
-      seconds, state = mfu.median_step_s(engine.train_step, state, batch, plan, _STEPS.value)
-      single_s = seconds if kind == "single" else r["single"]["step_s"]
-      r[kind] = {"step_s": seconds, "tflops": flops / seconds / 1e12,
-                 "mfu": None if peak is None else flops / seconds / (peak * 1e12),
-                 "over_single": seconds / single_s}
-    results.append(r)
-    rows.append([f"{w_mlp}/{layout.mlp.capacity}", f"{w_heads}/{layout.heads.capacity}",
-                 1e3 * r["single"]["step_s"], r["single"]["tflops"],
-                 report.fmt(r["single"]["mfu"], ".1%")]
-                + [f"{1e3 * r[k]['step_s']:.3g} ({r[k]['over_single']:.2f}x, "
-                   f"{report.fmt(r[k]['mfu'], '.1%')})" for k in _KERNELS.value])
-  table = report.markdown_table(
-      ["mlp width", "heads width", "single ms", "single TFLOP/s", "single MFU"]
-      + [f"branched, {k}: ms (x single, MFU)" for k in _KERNELS.value], rows)
-  payload = {"model": _MODEL.value, "spec": run.model.to_dict(), "batch_size": run.batch_size,
-             "backend": jax.default_backend(), "device": device.device_kind,
-             "jax": jax.__version__, "dtype": dtype, "peak_tflops": peak,
-             "matmul_precision": str(jax.config.jax_default_matmul_precision),
-             "kernels": _KERNELS.value, "widths": results}
-  paths = report.write(_OUT.value, "bench_mfu", payload, table)
-  print(f"{device.device_kind} ({jax.default_backend()}), {dtype}, peak {peak} TFLOP/s\n{table}")
+  capacity = {"mlp": run.layout.mlp.capacity, "heads": run.layout.heads.capacity}
+  flops_of = lambda w: mfu.step_flops(run.model, w, tokens, vocab)
+
+  def payload(widths, figures):
+    rows = mfu.results(widths, figures, flops_of, peak)
+    return {"model": _MODEL.value, "spec": run.model.to_dict(), "batch_size": run.batch_size,
+            "backend": jax.default_backend(), "device": device.device_kind,
+            "jax": jax.__version__, "dtype": dtype, "peak_tflops": peak,
+            "matmul_precision": str(jax.config.jax_default_matmul_precision),
+            "kernels": _KERNELS.value, "steps": _STEPS.value,
+            "rounds_done": min(len(v) for v in figures.values()), "widths": rows}
+
+  def write(widths, figures):      # after every round: a run cut short keeps its rounds
+    p = payload(widths, figures)
+    return p, report.write(_OUT.value, "bench_mfu", p,
+                           mfu.table(p["widths"], capacity, _KERNELS.value))
+  state = engine.init(run.seed, run.layout)
+  widths, figures = mfu.measure(engine, state, batch, run.layout, _KERNELS.value, _STEPS.value,
+                                _ROUNDS.value, after_round=write)
+  p, paths = write(widths, figures)
+  print(f"{device.device_kind} ({jax.default_backend()}), {dtype}, peak {peak} TFLOP/s, "
+        f"{p['rounds_done']} rounds\n{mfu.table(p['widths'], capacity, _KERNELS.value)}")
   print(f"wrote {paths['json']} and {paths['md']}")
 
 

@@ -75,9 +75,10 @@ def main(argv):
   del argv
   with cli.one_line_errors():
     s = settings().validate(jax.device_count(), jax.default_backend())
-  payload = peer.run(s)
+  write = lambda p: report.write(_OUT.value, "bench_peer", p, peer.table(p))
+  payload = peer.run(s, after_round=write)     # a run cut short keeps the rounds it finished
   table = peer.table(payload)
-  paths = report.write(_OUT.value, "bench_peer", payload, table)
+  paths = write(payload)
   ratios = ", ".join(f"{r['precision']}: even {r['even_over_plain']:.2f}x, uneven "
                      f"{r['uneven_over_plain']:.2f}x" for r in payload["ratios"])
   print(f"{payload['device']} ({payload['backend']}), {s.model}, tensor={s.tensor}; semijax / "

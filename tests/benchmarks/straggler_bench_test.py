@@ -4,6 +4,7 @@ lines (the runs themselves are exercised by the launch and train tests)."""
 
 import pytest
 
+from benchmarks import rounds
 from benchmarks import straggler as sb
 
 
@@ -34,7 +35,7 @@ RAW = {"runs": {"steady": {"even": EVEN, "static": STATIC, "semi": SEMI}}}
 
 
 def test_round_orders_run_every_policy_early_and_late_after_a_different_policy_each_round():
-  orders = sb.round_orders(sb.POLICIES, 3)
+  orders = rounds.round_orders(sb.POLICIES, 3)
   assert [o[0] for o in orders] == ["even", "resize", "offload"]
   assert all(sorted(o) == sorted(sb.POLICIES) for o in orders)
   positions = {p: [o.index(p) for o in orders] for p in sb.POLICIES}
@@ -43,11 +44,11 @@ def test_round_orders_run_every_policy_early_and_late_after_a_different_policy_e
   before = {p: [o[o.index(p) - 1] for o in orders if o.index(p) > 0] for p in sb.POLICIES}
   assert all(len(set(v)) == len(v) for v in before.values()), before
   # Over a whole Williams square (rounds = policies) every ordered pair is adjacent once.
-  square = sb.round_orders(sb.POLICIES, len(sb.POLICIES))
+  square = rounds.round_orders(sb.POLICIES, len(sb.POLICIES))
   pairs = [(o[k], o[k + 1]) for o in square for k in range(len(o) - 1)]
   assert len(pairs) == len(set(pairs)) == len(sb.POLICIES) * (len(sb.POLICIES) - 1)
-  assert sb.round_orders(["a", "b"], 1) == [["a", "b"]]
-  assert sb.round_orders(["a", "b"], 4) == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
+  assert rounds.round_orders(["a", "b"], 1) == [["a", "b"]]
+  assert rounds.round_orders(["a", "b"], 4) == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
 
 
 def test_median_and_spread():
