@@ -1,6 +1,7 @@
 """The peer benchmark: the plain-JAX GPT is semijax's model, its programs train alike, its flags
 are checked, and a smoke run of experiments/bench_peer.py writes every cell."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -15,6 +16,8 @@ import pytest
 import helpers as H
 from benchmarks import peer
 from benchmarks import plain_gpt
+from semijax.core import plan as plan_lib
+from semijax.train import optimizer as optimizer_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = peer.Settings(d_model=32, d_ff=64, heads=8, layers=2, seq_len=16, batch=8, tensor=4,
@@ -123,3 +126,42 @@ def test_bad_flag_is_one_line(tmp_path):
   assert done.returncode == 1
   assert done.stderr.strip().splitlines() == [
       "--precision: 'float8' is not one of ('float32', 'bfloat16')"]
+
+
+def _gemms(jaxpr) -> collections.Counter:
+  """{(lhs dtype, rhs dtype, out dtype, multiply-adds): count} of every dot_general in `jaxpr`
+  and the jaxprs inside it (shard_map, custom_vjp, jit, cond branches, scan bodies)."""
+  out = collections.Counter()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (lhs_c, _), (lhs_b, _) = eqn.params["dimension_numbers"]
+      lhs, rhs = (v.aval for v in eqn.invars)
+      size = np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs.shape[d] for d in lhs_c])
+      out[(str(lhs.dtype), str(rhs.dtype), str(eqn.outvars[0].aval.dtype), int(size))] += 1
+    for p in eqn.params.values():
+      for q in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(q, "jaxpr", q)
+        if isinstance(inner, jax.extend.core.Jaxpr):
+          out += _gemms(inner)
+  return out
+
+
+def test_semijax_even_bfloat16_step_runs_the_gemms_of_plain_jax():
+  # On one device semijax's even step must do the matrix work of the plain step: every GEMM
+  # of the forward and backward pass with the same size and the same operand and result dtypes
+  # (a float32 GEMM where plain JAX has a bfloat16 one would run at half speed on a GPU).
+  s = dataclasses.replace(TINY, tensor=1, d_model=64, d_ff=128, seq_len=32)
+  semi, engine = peer.semijax_programs(s, "bfloat16", peer.batch(s))
+  lay = peer.layouts(s)["even"]
+  plan = engine.plan(lay, widths=plan_lib.uniform_widths(lay))
+  state = engine.init(s.seed, lay)
+  ours = _gemms(jax.make_jaxpr(engine.programs.train_step_fn)(
+      state, engine.shard_batch(peer.batch(s)), plan).jaxpr)
+  params = peer.plain_params(engine.logical_arrays(engine.init_logical(s.seed)).params)
+  tx = optimizer_lib.make(optimizer_lib.OptimizerSpec(), peer.SCHEDULE_STEPS)
+  plain = _gemms(jax.make_jaxpr(lambda p, o, b: plain_gpt.train_step(
+      p, o, b, tx=tx, num_heads=s.heads, dtype=jnp.bfloat16, implementation="xla"))(
+          params, tx.init(params), peer.batch(s)).jaxpr)
+  # Per block q, k, v, out, two MLP GEMMs, scores and values; the head; forward and backward.
+  assert sum(plain.values()) == 3 * (8 * s.layers + 1)
+  assert ours == plain
