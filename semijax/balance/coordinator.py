@@ -229,13 +229,21 @@ class Balancer:
       self.resizer.priority.load_state_dict(state["priority"])
 
   @property
+  def resizes(self) -> bool:
+    """Whether the policy resizes (and so keeps a priority, with its snapshot)."""
+    return self.resizer is not None
+
+  @property
   def snapshot(self):
     """The priority's device snapshot (padded params in the current layout), or None."""
     return None if self.resizer is None else self.resizer.priority.snapshot
 
   @snapshot.setter
   def snapshot(self, params) -> None:
-    self.resizer.priority.snapshot = params
+    """Keeps `params` as the priority's snapshot; a policy that does not resize has no
+    priority, and a snapshot restored from a resizing run's checkpoint is dropped."""
+    if self.resizer is not None:
+      self.resizer.priority.snapshot = params
 
   def summary(self, total_s: float) -> dict:
     """Balance statistics of the run (`stats.Stats.summary`; `total_s`: wall seconds of the

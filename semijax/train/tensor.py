@@ -128,7 +128,8 @@ class TensorParallel:
     logical, meta = ckpt.restore(abstract, step)
     saved_with = (f"MLP units {_counts(meta['layout'], 'mlp')}"
                   f"{checkpoint_lib.dtype_change(meta, abstract)}")
-    snapshot = ckpt.restore_snapshot(abstract.params, step)
+    # a policy that does not resize has no use for a resizing run's priority snapshot
+    snapshot = ckpt.restore_snapshot(abstract.params, step) if self.balancer.resizes else None
     self.extra = {"balance": ckpt.restore_extra(step), "snapshot": None if snapshot is None else
                   engine.to_padded(snapshot, layout, donate=True)}
     self.state = engine.to_padded(logical, layout, donate=True)

@@ -72,3 +72,21 @@ def test_every_way_out_closes_the_checkpoints_and_the_decision_log(tmp_path, mon
   config.hetero.slowdown = (2.0, 1.0, 1.0, 1.0)
   H.interrupted(monkeypatch, lambda: train.train_and_evaluate(config, str(tmp_path)), 2)
   assert sorted(closed) == ["Checkpointer", "DecisionLog"]
+
+
+@pytest.mark.parametrize("first, then", [("resize", "even"), ("even", "resize")])
+def test_resume_under_another_policy_with_or_without_a_priority_snapshot(tmp_path, first, then):
+  # A resizing run checkpoints its priority's weight snapshot; a policy that does not resize
+  # has no use for it and resumes without it (it raised AttributeError), and a resizing policy
+  # resumes from a checkpoint that has none.
+  def config(policy, steps):
+    c = tiny_gpt(steps=steps)
+    c.balance.policy, c.hetero.slowdown, c.resize.refresh_every = policy, (1, 1, 1, 4), 1
+    return c
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(config(first, 3), workdir)
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", "3", "snapshot")) == (
+      first == "resize")
+  resumed = train.train_and_evaluate(config(then, 6), workdir)
+  assert resumed["start_step"] == 3 and len(resumed["losses"]) == 3
+  assert np.isfinite(resumed["losses"]).all() and np.isfinite(resumed["val/loss"])
