@@ -97,10 +97,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     if (cause := input_error(e)) is not None:   # raised by the config file's get_config
       sys.exit(str(cause))
-    if (message := unreadable_config(e, spec)) is not None:
-      sys.exit(message)
-    # "flag --num_processes=x: ..." (or a config file's traceback: a bug)
-    sys.exit(wrong_type(str(e)) or str(e))
+    # "flag --config.steps=x: ...": an override's value (its parse may raise a SyntaxError,
+    # which is not the config file's), else the config file, else "flag --num_processes=x"
+    # (or a config file's traceback: a bug)
+    sys.exit(wrong_type(str(e)) or unreadable_config(e, spec) or str(e))
   except SyntaxError as e:                  # compiling the config file
     sys.exit(unreadable_config(e, spec))
   except (AttributeError, KeyError) as e:   # parsing a --config.<unknown>=... override
@@ -161,7 +161,8 @@ def input_error(error: BaseException | None) -> errors.InputError | None:
 
 
 _KINDS = ((r"for int\(\)", "an integer"), (r"to float", "a number"),
-          (r"[Bb]oolean", "true or false"))
+          (r"[Bb]oolean", "true or false"),
+          (r"as tuple", "a tuple: one value, or several quoted, e.g. \"('a', 'b')\""))
 
 
 def wrong_type(message: str) -> str | None:

@@ -47,6 +47,11 @@ CASES = {
     "override_bool": Case(("--config.balance.fit_repeat=maybe",),
                           re.escape("config.balance.fit_repeat: expected true or false, got "
                                     "'maybe'") + "$"),
+    # A tuple override whose parse fails with a SyntaxError ("1f1b" is no number): the value
+    # is wrong, not the config file.
+    "override_tuple": Case(("--config.planner.schedules=gpipe,1f1b",), re.escape(
+        "config.planner.schedules: expected a tuple: one value, or several quoted, e.g. "
+        "\"('a', 'b')\", got 'gpipe,1f1b'") + "$"),
     "processes": Case(("--num_processes=2",), r"--num_processes: 2 processes need "
                       r"--coordinator_address"),
     "nan_loss": Case(("--config.steps=3", "--config.optimizer.learning_rate=1e30",
