@@ -2,6 +2,7 @@ r"""The simulated study: every policy on 64 to 4,096 devices in every straggler 
 
   python experiments/simulate.py                        # the full study (about 14 minutes here)
   python experiments/simulate.py --sizes=64,256 --steps=300 --scenarios=persistent,bursts
+  python experiments/simulate.py --scenarios=replay --trace=trace.json --sizes=64  # its devices
 
 Runs `semijax.sim.study` on the --hardware profile of --constants (default the nominal
 H100-class cluster, `semijax/sim/profiles.py`; `cpu_2proc` is this machine's fitted one), then
@@ -23,6 +24,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import report  # noqa: E402
+from semijax import errors  # noqa: E402
 from semijax.runtime import cli  # noqa: E402
 from semijax.sim import hardware  # noqa: E402
 from semijax.sim import overhead  # noqa: E402
@@ -43,6 +45,9 @@ _STEPS = flags.DEFINE_integer("steps", 1000, "Simulated steps per run.")
 _SEED = flags.DEFINE_integer("seed", 0, "Traces and sample noise.")
 _PIPE = flags.DEFINE_integer("pipe", study.PIPE, "Pipeline stages around the tensor groups "
                              "(1: tensor x data only, where semijax runs every policy today).")
+_TRACE = flags.DEFINE_string("trace", "", "The trace file the `replay` scenario plays (JSON of "
+                             "`semijax.sim.traces.Trace.to_json`: measured speeds over time); "
+                             "--sizes must be its device count.")
 _OVERHEAD = flags.DEFINE_bool("overhead", True, "Also measure the controller's own cost.")
 _PLANNER_MAX = flags.DEFINE_integer("planner_max", max(study.SIZES), "Time the planner "
                                     "(semijax.planner) in the overhead table up to this many "
@@ -53,6 +58,29 @@ def _check(values, allowed, name):
   bad = [v for v in values if v not in allowed]
   if bad:
     raise app.UsageError(f"--{name}: unknown {bad}; choose from {list(allowed)}")
+
+
+def _scenario_params(sizes: list[int]) -> dict:
+  """{"replay": {"path": --trace}} when the replay scenario runs, after checking the trace
+  (readable, and one device count, that of --sizes); UsageError naming the flag."""
+  if "replay" not in _SCENARIOS.value:
+    if _TRACE.value:
+      raise app.UsageError("--trace: only the replay scenario plays a trace; add it to "
+                           "--scenarios")
+    return {}
+  if not _TRACE.value:
+    raise app.UsageError("--trace: the replay scenario needs a trace file (JSON of "
+                         "semijax.sim.traces.Trace.to_json)")
+  try:
+    with open(_TRACE.value) as f:
+      trace = traces.Trace.from_json(json.load(f), field=f"--trace ({_TRACE.value})")
+  except (OSError, ValueError) as e:     # unreadable, not JSON, or not a trace (ConfigError)
+    raise app.UsageError(str(e) if isinstance(e, errors.InputError) else
+                         f"--trace: cannot read {_TRACE.value!r}: {e}") from None
+  if sizes != [trace.num_devices]:
+    raise app.UsageError(f"--sizes: the replay trace has {trace.num_devices} devices; give "
+                         f"--sizes={trace.num_devices}")
+  return {"replay": {"path": _TRACE.value}}
 
 
 def plot(result: dict, path: str) -> None:
@@ -95,13 +123,16 @@ def main(argv):
     sizes = [int(s) for s in _SIZES.value]
   except ValueError:
     raise app.UsageError(f"--sizes: integers, got {_SIZES.value}") from None
+  params = _scenario_params(sizes)
   hw = hardware.load(_CONSTANTS.value).profile(_HARDWARE.value)
   t0 = time.perf_counter()
   say = lambda r: print(f"[sim] {r['devices']:5d} {r['scenario']:14s} {r['policy']:8s} "
                         f"vs even {r['vs_even']:.2f}  vs ideal {r['vs_ideal']:.2f}  "
                         f"{r['migrations']:3d} migrations  {r['wall_s']:.1f} s", flush=True)
-  result = study.run(hw, sizes=sizes, scenarios=_SCENARIOS.value, policies=_POLICIES.value,
-                     steps=_STEPS.value, seed=_SEED.value, pipe=_PIPE.value, progress=say)
+  with cli.one_line_errors():
+    result = study.run(hw, sizes=sizes, scenarios=_SCENARIOS.value, policies=_POLICIES.value,
+                       steps=_STEPS.value, seed=_SEED.value, pipe=_PIPE.value, progress=say,
+                       scenario_params=params)
   md = [f"# Simulated study ({hw.name}, tensor {study.TENSOR} x pipe {_PIPE.value} x data, "
         f"{_STEPS.value} steps per run)", "",
         "Throughput relative to `even` (`even` relative to the ideal: total work over total "

@@ -159,9 +159,11 @@ def trace_slow_share(trace: traces_lib.Trace, result: simulator.Result) -> list[
 
 
 def run(hw: hardware_lib.Hardware, *, sizes=SIZES, scenarios=SCENARIOS, policies=POLICIES,
-        steps: int = 1000, seed: int = 0, pipe: int = PIPE, progress=None) -> dict:
+        steps: int = 1000, seed: int = 0, pipe: int = PIPE, progress=None,
+        scenario_params: dict[str, dict] | None = None) -> dict:
   """The study (see module doc) of the `COLUMNS` named by `policies`; `progress(row)` after
-  each cell's runs."""
+  each cell's runs; `scenario_params`: {scenario: its parameters} (`traces.SCENARIOS`; e.g.
+  {"replay": {"path": ...}})."""
   if "even" not in policies or set(policies) - set(COLUMNS):
     raise ValueError(f"sim.study.policies: {list(policies)} must include 'even' (the reference) "
                      f"and name columns of {list(COLUMNS)}")
@@ -169,7 +171,8 @@ def run(hw: hardware_lib.Hardware, *, sizes=SIZES, scenarios=SCENARIOS, policies
   cells = []
   for devices in sizes:
     for scenario in scenarios:
-      rows = run_cell(devices, scenario, hw, steps, policies, seed, pipe=pipe)
+      rows = run_cell(devices, scenario, hw, steps, policies, seed,
+                      params=(scenario_params or {}).get(scenario), pipe=pipe)
       cells += rows
       if progress is not None:
         for r in rows:
