@@ -24,12 +24,12 @@ _TPU = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0
 
 # {compute dtype: {device kind substring: TFLOP/s}}; the first matching substring wins, so a
 # kind that is a prefix of another comes after it ("L40S" before "L4", "TPU v5 lite" before
-# "TPU v5"). H100 as the SXM part.
+# "TPU v5"); the H100's PCIe and NVL parts are slower than its SXM part ("H100 80GB HBM3").
 PEAK_TFLOPS = {
-    "float32": {"H200": 494.7, "H100": 494.7, "A100": 156.0, "L40S": 183.0, "L4": 60.0,
-                "A10": 62.5, **_TPU},
-    "bfloat16": {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
-                 "A10": 125.0, **_TPU},
+    "float32": {"H200": 494.7, "H100 PCIe": 378.0, "H100 NVL": 417.5, "H100": 494.7,
+                "A100": 156.0, "L40S": 183.0, "L4": 60.0, "A10": 62.5, **_TPU},
+    "bfloat16": {"H200": 989.4, "H100 PCIe": 756.5, "H100 NVL": 835.5, "H100": 989.4,
+                 "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, **_TPU},
 }
 PEAK_TFLOPS["float16"] = PEAK_TFLOPS["bfloat16"]
 

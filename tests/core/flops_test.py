@@ -29,20 +29,22 @@ def test_training_flops_grow_with_every_dimension():
 
 # TF32 tensor-core peaks (TFLOP/s) with 2:4 sparsity, as NVIDIA's datasheets print them, by the
 # `device_kind` JAX reports; the dense peak is half.
-SPARSE_TF32 = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4,
+SPARSE_TF32 = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
+               "NVIDIA H100 NVL": 835.0,
                "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA L40S": 366.0, "NVIDIA L4": 120.0,
                "NVIDIA A10": 125.0}
 
 # Dense bfloat16 peaks (TFLOP/s), as the datasheets print them (TPUs per chip).
-DENSE_BF16 = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4,
+DENSE_BF16 = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.5,
+              "NVIDIA H100 NVL": 835.5,
               "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA L40S": 362.0, "NVIDIA L4": 121.0,
               "NVIDIA A10": 125.0, "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5p": 459.0,
               "TPU v6 lite": 918.0}
 
 
 def test_peak_tflops_is_the_datasheets_dense_peak_of_the_reported_kind():
-  # "L40S" and "L4", "A100" and "A10", "TPU v5 lite" and "TPU v5p" share a prefix: each kind
-  # must find its own row.
+  # "L40S" and "L4", "A100" and "A10", "TPU v5 lite" and "TPU v5p", the H100's SXM, PCIe and
+  # NVL parts share a prefix: each kind must find its own row.
   for kind, sparse in SPARSE_TF32.items():
     assert flops.peak_tflops(kind) == pytest.approx(sparse / 2), kind
     assert flops.peak_tflops(kind.lower()) == flops.peak_tflops(kind), kind
