@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 
 from semijax.core import barrier
 from semijax.core import engine as engine_lib
+from semijax.errors import ConfigError
 
 
 def param_dtypes(params) -> list[str]:
@@ -41,6 +42,18 @@ def dtype_change(meta: dict, abstract: engine_lib.TrainState) -> str:
   saved, now = meta.get("param_dtypes"), param_dtypes(abstract.params)
   return "" if saved in (None, now) else f"; parameters stored in {'/'.join(saved)}, " \
       f"restored into {'/'.join(now)}"
+
+
+def check_sync_mode(meta: dict, mode: str, step: int, directory: str) -> None:
+  """Raises ConfigError when the checkpoint was saved by a run in another `config.sync.mode`
+  (a checkpoint without one was saved by a "sync" run): its in-flight state (pending
+  gradients, replicas, momentum) would be lost or missing."""
+  saved = meta.get("sync_mode", "sync")
+  if saved != mode:
+    raise ConfigError(
+        f"config.sync.mode: the checkpoint at step {step} in {directory} was saved by a "
+        f"{saved!r} run, this one is {mode!r} (its in-flight state would be lost); use "
+        "another --workdir")
 
 
 CHECKSUMS = "semijax_checksums.json"

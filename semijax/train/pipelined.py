@@ -105,12 +105,7 @@ class Pipelined:
           f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved "
           f"{where}, this run has {plan.pipe} stages; pipelined checkpoints restore onto the "
           "same number of stages (use another --workdir)")
-    saved_sync = meta.get("sync_mode", "sync")
-    if saved_sync != run.sync.mode:
-      raise ConfigError(
-          f"config.sync.mode: the checkpoint at step {step} in {ckpt.directory} was saved by a "
-          f"{saved_sync!r} run, this one is {run.sync.mode!r} (its in-flight state would be "
-          "lost); use another --workdir")
+    checkpoint_lib.check_sync_mode(meta, run.sync.mode, step, ckpt.directory)
     abstract = self.engine.abstract_logical()
     logical, meta = ckpt.restore(abstract, step)
     self.state = self.engine.to_padded(logical, self.setup.layout, donate=True)

@@ -123,6 +123,7 @@ class TensorParallel:
           f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved by a "
           f"pipelined run on {meta['pipe']} stages; it restores onto a pipelined run with as "
           "many stages (use another --workdir)")
+    checkpoint_lib.check_sync_mode(meta, self.run.sync.mode, step, ckpt.directory)
     engine, layout = self.engine, self.balancer.layout
     abstract = engine.abstract_logical()
     logical, meta = ckpt.restore(abstract, step)

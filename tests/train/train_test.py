@@ -11,6 +11,7 @@ import helpers as H
 from helpers import load, tiny_gpt
 from semijax.train import loop as train
 from semijax.train import metrics
+from semijax.errors import ConfigError
 
 
 @pytest.mark.parametrize("name, unit", [("gpt_tiny", "tokens"), ("vit_digits", "images")])
@@ -90,3 +91,20 @@ def test_resume_under_another_policy_with_or_without_a_priority_snapshot(tmp_pat
   resumed = train.train_and_evaluate(config(then, 6), workdir)
   assert resumed["start_step"] == 3 and len(resumed["losses"]) == 3
   assert np.isfinite(resumed["losses"]).all() and np.isfinite(resumed["val/loss"])
+
+
+@pytest.mark.parametrize("first, then", [("ssaw", "sync"), ("sync", "ssaw")])
+def test_resume_in_another_sync_mode_is_refused_in_one_line(tmp_path, first, then):
+  # Like a pipelined run's: the saved in-flight state (pending gradients) would be lost, or
+  # would be missing; nothing is trained and the checkpoint stays.
+  def config(mode, steps):
+    c = tiny_gpt(tensor=4, steps=steps)
+    c.mesh.data, c.sync.mode = 2, mode
+    return c
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(config(first, 3), workdir)
+  with pytest.raises(ConfigError, match=(
+      rf"^config.sync.mode: the checkpoint at step 3 in .* was saved by a '{first}' run, this "
+      rf"one is '{then}' \(its in-flight state would be lost\); use another --workdir$")):
+    train.train_and_evaluate(config(then, 6), workdir)
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["3"]
