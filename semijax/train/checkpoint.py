@@ -7,12 +7,14 @@ capacity bucket or tensor device count: the engine moves it into the new padded 
 it, a JSON item records the step, the data position, the layout it was trained with and the
 model config (a checkpoint is never restored into a different model).
 
-Every checkpoint is verified before it is read: once a save is committed, process 0 records the
-size and SHA-256 of every file in the step's folder (arrays, metadata, Orbax's own) in
-`<step>/semijax_checksums.json`; `verify` checks them, and `latest_intact_step` is the newest
-checkpoint that passes (one without the record, cut short while saving, does not). A damaged
-checkpoint is never deleted: a run that resumes from an older one sets it aside
-(`<directory>.damaged/<step>`) so that its own saves do not meet it.
+Every checkpoint is verified before it is read: once a save is committed, the size and SHA-256
+of every file in the step's folder (arrays, metadata, Orbax's own) are recorded in
+`<step>/semijax_checksums.json`; `verify` checks them. Both split the files over the processes
+(each reads its share once, whatever the cluster's size, and `barrier.gather` shares the
+results). `latest_intact_step` is the newest checkpoint that passes (one without the record,
+cut short while saving, does not). A damaged checkpoint is never deleted: a run that resumes
+from an older one sets it aside (`<directory>.damaged/<step>`) so that its own saves do not meet
+it.
 """
 
 from __future__ import annotations
@@ -72,14 +74,26 @@ def _files(folder: str) -> list[str]:
   return sorted(f for f in out if f != CHECKSUMS)
 
 
+def _mine(names: list[str]) -> list[str]:
+  """This process's share of the sorted `names`: every process_count-th, from its index."""
+  return names[jax.process_index()::jax.process_count()]
+
+
 def record_checksums(folder: str) -> None:
-  """Writes `folder`/semijax_checksums.json: {"files": {path: [bytes, sha256]}} (atomically)."""
-  files = {f: [os.path.getsize(os.path.join(folder, f)), _digest(os.path.join(folder, f))]
-           for f in _files(folder)}
-  tmp = os.path.join(folder, CHECKSUMS + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump({"files": files}, f, indent=0, sort_keys=True)
-  os.replace(tmp, os.path.join(folder, CHECKSUMS))
+  """Writes `folder`/semijax_checksums.json: {"files": {path: [bytes, sha256]}} (atomically).
+  Every process calls it: each hashes its share of the files (`_mine`), process 0 writes the
+  record once it has all, and every process returns once it is written."""
+  names = _files(folder)
+  share = lambda names: {f: [os.path.getsize(os.path.join(folder, f)),
+                             _digest(os.path.join(folder, f))] for f in names}
+  parts = barrier.gather(f"checksums of {folder}", share(_mine(names)))
+  if jax.process_index() == 0:
+    files = share(names) if parts is None else {k: v for part in parts for k, v in part.items()}
+    tmp = os.path.join(folder, CHECKSUMS + ".tmp")
+    with open(tmp, "w") as f:
+      json.dump({"files": files}, f, indent=0, sort_keys=True)
+    os.replace(tmp, os.path.join(folder, CHECKSUMS))
+  barrier.wait_for_all(f"checksums of {folder} written")
 
 
 _INTACT: dict[str, tuple] = {}   # folder -> the stat of its files when it last verified
@@ -94,37 +108,46 @@ def _stat_key(folder: str, names) -> tuple:
   return tuple(one(n) for n in sorted(names) + [CHECKSUMS])
 
 
-def check_files(folder: str) -> str | None:
+def check_files(folder: str, collective: bool = True) -> str | None:
   """None if every file recorded in `folder`'s checksums is there with its size and digest;
-  else what is wrong, in a few words naming the first bad file."""
-  problem = _check_files(folder)
-  if problem is None:
-    with open(os.path.join(folder, CHECKSUMS)) as f:
-      _INTACT[folder] = _stat_key(folder, json.load(f)["files"])
-  return problem
-
-
-def _check_files(folder: str) -> str | None:
+  else what is wrong, in a few words naming the first bad file. `collective`: every process
+  calls it and checks its share of the files (`_mine`), and all get the same answer; else this
+  process checks every file."""
   try:
     with open(os.path.join(folder, CHECKSUMS)) as f:
       files = json.load(f)["files"]
+    names = sorted(files)
   except FileNotFoundError:
     return "it has no checksum record (saving it was cut short)"
   except (OSError, ValueError, KeyError, TypeError):
     return f"its checksum record {CHECKSUMS} is unreadable"
   try:
-    if _INTACT.get(folder) == _stat_key(folder, files):
-      return None
+    cached = _INTACT.get(folder) == _stat_key(folder, names)
   except (OSError, TypeError):
-    pass                                  # a file is gone: the loop below says which
-  for name, (size, digest) in sorted(files.items()):
-    path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-      return f"{name} is missing"
-    if (actual := os.path.getsize(path)) != size:
-      return f"{name} has {actual} bytes, {size} were written"
-    if _digest(path) != digest:
-      return f"{name} does not match its checksum"
+    cached = False                        # a file is gone: checking says which
+  mine = names if not collective else _mine(names)
+  problems = [] if cached else [(names.index(n), p) for n in mine
+                                if (p := _file_problem(folder, n, files[n])) is not None]
+  parts = barrier.gather(f"check of {folder}", problems[:1]) if collective else [problems]
+  if parts is None:                       # no coordination service: check them all here
+    return check_files(folder, collective=False)
+  first = min((tuple(p) for part in parts for p in part), default=None)
+  if first is None:
+    _INTACT[folder] = _stat_key(folder, names)
+    return None
+  return first[1]
+
+
+def _file_problem(folder: str, name: str, recorded) -> str | None:
+  """What is wrong with file `name` against its recorded [bytes, sha256], or None."""
+  size, digest = recorded
+  path = os.path.join(folder, name)
+  if not os.path.isfile(path):
+    return f"{name} is missing"
+  if (actual := os.path.getsize(path)) != size:
+    return f"{name} has {actual} bytes, {size} were written"
+  if _digest(path) != digest:
+    return f"{name} does not match its checksum"
   return None
 
 
@@ -164,15 +187,16 @@ class Checkpointer:
       items["snapshot"] = ocp.args.StandardSave(snapshot)
     self._manager.save(step, args=ocp.args.Composite(**items))
     self._manager.wait_until_finished()
-    if jax.process_index() == 0:
-      record_checksums(self.folder(step))
+    barrier.wait_for_all(f"saved checkpoint {step}")     # committed: every file is there
+    record_checksums(self.folder(step))
 
   def folder(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def verify(self, step: int) -> str | None:
-    """None if checkpoint `step` is intact, else what is wrong with it (`check_files`)."""
-    return check_files(self.folder(step))
+  def verify(self, step: int, collective: bool = True) -> str | None:
+    """None if checkpoint `step` is intact, else what is wrong with it (`check_files`; every
+    process calls it, unless not `collective`)."""
+    return check_files(self.folder(step), collective)
 
   def set_aside(self, step: int) -> str:
     """Moves damaged checkpoint `step` out of the way of new saves, to
@@ -190,12 +214,12 @@ class Checkpointer:
     barrier.wait_for_all(f"reloaded without checkpoint {step}")
     return target
 
-  def latest_intact_step(self, on_damaged: Callable[[int, str], None] | None = None
-                         ) -> int | None:
+  def latest_intact_step(self, on_damaged: Callable[[int, str], None] | None = None,
+                         collective: bool = True) -> int | None:
     """The newest checkpoint that verifies, or None; `on_damaged(step, problem)` hears of each
-    newer one that does not."""
+    newer one that does not. `collective`: every process calls it (see `check_files`)."""
     for step in reversed(self.all_steps()):
-      problem = self.verify(step)
+      problem = self.verify(step, collective)
       if problem is None:
         return step
       if on_damaged is not None:

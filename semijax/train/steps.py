@@ -55,7 +55,7 @@ def stop_if_not_finite(loss: float, step: int, writer, ckpt) -> None:
   if math.isfinite(loss):
     return
   writer.write(step, {"train/loss": loss})
-  intact = ckpt.latest_intact_step()
+  intact = ckpt.latest_intact_step(collective=False)   # a replica process may stop alone
   saved = (f"The last good checkpoint (step {intact}) in {ckpt.directory} is intact"
            if intact is not None else "No intact checkpoint was saved yet")
   raise FloatingPointError(
