@@ -240,10 +240,8 @@ class Balancer:
 
   @snapshot.setter
   def snapshot(self, params) -> None:
-    """Keeps `params` as the priority's snapshot; a policy that does not resize has no
-    priority, and a snapshot restored from a resizing run's checkpoint is dropped."""
-    if self.resizer is not None:
-      self.resizer.priority.snapshot = params
+    """Keeps `params` as the priority's snapshot (only a policy that `resizes` has one)."""
+    self.resizer.priority.snapshot = params
 
   def summary(self, total_s: float) -> dict:
     """Balance statistics of the run (`stats.Stats.summary`; `total_s`: wall seconds of the

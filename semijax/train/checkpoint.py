@@ -74,9 +74,10 @@ def _files(folder: str) -> list[str]:
   return sorted(f for f in out if f != CHECKSUMS)
 
 
-def _mine(names: list[str]) -> list[str]:
-  """This process's share of the sorted `names`: every process_count-th, from its index."""
-  return names[jax.process_index()::jax.process_count()]
+def _mine(count: int, collective: bool = True) -> range:
+  """The indices of this process's share of `count` sorted files: every process_count-th, from
+  its index (all of them when not `collective`)."""
+  return range(jax.process_index(), count, jax.process_count()) if collective else range(count)
 
 
 def record_checksums(folder: str) -> None:
@@ -86,7 +87,7 @@ def record_checksums(folder: str) -> None:
   names = _files(folder)
   share = lambda names: {f: [os.path.getsize(os.path.join(folder, f)),
                              _digest(os.path.join(folder, f))] for f in names}
-  parts = barrier.gather(f"checksums of {folder}", share(_mine(names)))
+  parts = barrier.gather(f"checksums of {folder}", share([names[i] for i in _mine(len(names))]))
   if jax.process_index() == 0:
     files = share(names) if parts is None else {k: v for part in parts for k, v in part.items()}
     tmp = os.path.join(folder, CHECKSUMS + ".tmp")
@@ -125,10 +126,11 @@ def check_files(folder: str, collective: bool = True) -> str | None:
     cached = _INTACT.get(folder) == _stat_key(folder, names)
   except (OSError, TypeError):
     cached = False                        # a file is gone: checking says which
-  mine = names if not collective else _mine(names)
-  problems = [] if cached else [(names.index(n), p) for n in mine
-                                if (p := _file_problem(folder, n, files[n])) is not None]
-  parts = barrier.gather(f"check of {folder}", problems[:1]) if collective else [problems]
+  found = None if cached else next(   # this share's first problem: (its index, the words)
+      ((i, p) for i in _mine(len(names), collective)
+       if (p := _file_problem(folder, names[i], files[names[i]])) is not None), None)
+  mine = [] if found is None else [found]
+  parts = barrier.gather(f"check of {folder}", mine) if collective else [mine]
   if parts is None:                       # no coordination service: check them all here
     return check_files(folder, collective=False)
   first = min((tuple(p) for part in parts for p in part), default=None)
