@@ -12,6 +12,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from semijax.core import layout as layout_lib
+from semijax.core import mesh as mesh_lib
 from semijax.core import plan as plan_lib
 
 
@@ -74,7 +75,8 @@ class StepPrograms:
                                         self.replicated))
       else:
         jitted = jax.jit(self.eval_step_fn, out_shardings=self.replicated)
-      fn = jitted.lower(_abstract(state_or_params), _abstract(batch), _abstract(plan)).compile()
+      with mesh_lib.lowering_scope():
+        fn = jitted.lower(_abstract(state_or_params), _abstract(batch), _abstract(plan)).compile()
       self.compile_count += 1
       logging.info("compiled %s step for bucket %s (%d variants)", kind, plan.widths,
                    len(self._compiled) + 1)

@@ -94,7 +94,8 @@ class PipePrograms:
         jitted = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=out_sh)
       else:
         jitted = jax.jit(self._eval_terms, out_shardings=self.replicated)
-      fn = jitted.lower(abstract(state_or_params), abstract(batch), abstract(pplan)).compile()
+      with mesh_lib.lowering_scope():
+        fn = jitted.lower(abstract(state_or_params), abstract(batch), abstract(pplan)).compile()
       self.compile_count += 1
       logging.info("compiled pipelined %s step (%d variants)", kind, len(self._compiled) + 1)
       self._compiled[key] = fn

@@ -81,7 +81,8 @@ class Programs:
   def _run(self, name, *args):
     if name not in self._jitted:
       raise RuntimeError(f"Programs.{name}: call bind(state) first")
-    return self._jitted[name](*args)
+    with mesh_lib.lowering_scope():   # traced (once) without collectives over size-1 axes
+      return self._jitted[name](*args)
 
   def compute(self, params, pending, batch, plan, start):
     """`_compute`, compiled; `pending` is donated."""
