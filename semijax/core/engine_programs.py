@@ -75,7 +75,7 @@ class StepPrograms:
                                         self.replicated))
       else:
         jitted = jax.jit(self.eval_step_fn, out_shardings=self.replicated)
-      with mesh_lib.lowering_scope():
+      with mesh_lib.lowering_scope(self.mesh):
         fn = jitted.lower(_abstract(state_or_params), _abstract(batch), _abstract(plan)).compile()
       self.compile_count += 1
       logging.info("compiled %s step for bucket %s (%d variants)", kind, plan.widths,

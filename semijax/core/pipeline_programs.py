@@ -94,7 +94,7 @@ class PipePrograms:
         jitted = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=out_sh)
       else:
         jitted = jax.jit(self._eval_terms, out_shardings=self.replicated)
-      with mesh_lib.lowering_scope():
+      with mesh_lib.lowering_scope(self.mesh):
         fn = jitted.lower(abstract(state_or_params), abstract(batch), abstract(pplan)).compile()
       self.compile_count += 1
       logging.info("compiled pipelined %s step (%d variants)", kind, len(self._compiled) + 1)

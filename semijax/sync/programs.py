@@ -81,7 +81,7 @@ class Programs:
   def _run(self, name, *args):
     if name not in self._jitted:
       raise RuntimeError(f"Programs.{name}: call bind(state) first")
-    with mesh_lib.lowering_scope():   # traced (once) without collectives over size-1 axes
+    with mesh_lib.lowering_scope(self.engine.mesh):   # traced once, in that scope
       return self._jitted[name](*args)
 
   def compute(self, params, pending, batch, plan, start):

