@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchmarks import hlo as hlo_lib
 from benchmarks import mfu
 from benchmarks import plain_gpt
 from benchmarks import plain_llama
@@ -180,10 +181,11 @@ def batch(s: Settings) -> dict:
 
 
 class Program:
-  """A training step that owns its state: each call runs one step and returns its loss."""
+  """A training step that owns its state: each call runs one step and returns its loss.
+  `collectives`: `hlo.all_reduces` of its compiled step, where known (semijax's)."""
 
-  def __init__(self, step, state):
-    self._step, self._state = step, state
+  def __init__(self, step, state, collectives: dict | None = None):
+    self._step, self._state, self.collectives = step, state, collectives
 
   def __call__(self) -> jax.Array:
     self._state, loss = self._step(self._state)
@@ -207,7 +209,8 @@ def semijax_programs(s: Settings, precision: str, host_batch: dict):
     def step(state, plan=plan):
       state, metrics = engine.train_step(state, sharded, plan)
       return state, metrics["loss"]
-    out[name] = Program(step, state)
+    compiled = engine.programs.compiled_fn("train", state, sharded, plan)
+    out[name] = Program(step, state, hlo_lib.all_reduces(compiled.as_text()))
   return out, engine
 
 
@@ -249,7 +252,7 @@ def run(s: Settings, after_round: Callable[[dict], None] | None = None) -> dict:
   rounds; returns the JSON payload, and hands the payload of the rounds so far to
   `after_round` after each."""
   host_batch = batch(s)
-  cells, first_loss, layout_json = {}, {}, {}
+  cells, first_loss, layout_json, collectives = {}, {}, {}, {}
   for precision in s.precision:
     semi, engine = semijax_programs(s, precision, host_batch)
     programs = {"plain": plain_program(s, precision, engine, host_batch), **semi}
@@ -258,6 +261,7 @@ def run(s: Settings, after_round: Callable[[dict], None] | None = None) -> dict:
       for _ in range(WARM_STEPS - 1):
         jax.block_until_ready(programs[name]())
       cells[(precision, name)] = programs[name]
+      collectives[(precision, name)] = programs[name].collectives
   for name, lay in layouts(s).items():     # the widths each step compiles
     widths = plan_lib.uniform_widths(lay) if name == "even" else None
     layout_json[name] = {k: {"counts": list(u.counts), "widths": list((widths or {}).get(
@@ -269,14 +273,17 @@ def run(s: Settings, after_round: Callable[[dict], None] | None = None) -> dict:
                          s.batch * s.seq_len, VOCAB)
 
   def payload(figures):
-    return _payload(s, {keys[k]: v for k, v in figures.items()}, first_loss, layout_json, flops)
+    return _payload(s, {keys[k]: v for k, v in figures.items()}, first_loss, layout_json, flops,
+                    collectives)
   after = None if after_round is None else (lambda figures: after_round(payload(figures)))
   return payload(rounds_lib.interleave(measures, s.rounds, after_round=after))
 
 
 def _payload(s: Settings, round_ms: dict, first_loss: dict, layout_json: dict,
-             flops: float) -> dict:
-  """The JSON payload of the rounds done ({(precision, program): [ms per round]})."""
+             flops: float, collectives: dict) -> dict:
+  """The JSON payload of the rounds done ({(precision, program): [ms per round]}); each
+  semijax cell says how many all-reduces its compiled step has, and how many of them run over
+  one device (none where the tensor axis is one device: `mesh.lowering_scope`)."""
   out_cells = []
   for (precision, name), ms in round_ms.items():
     median = float(np.median(ms))
@@ -284,6 +291,7 @@ def _payload(s: Settings, round_ms: dict, first_loss: dict, layout_json: dict,
         "precision": precision, "program": name, "round_ms": ms, "median_ms": median,
         "min_ms": min(ms), "max_ms": max(ms), "tflops": flops / (median * 1e-3) / 1e12,
         "first_loss": first_loss[(precision, name)],
+        **(collectives[(precision, name)] or {}),
         "attention": spec(s, precision).precision.attention_impl(s.d_model // s.heads)})
   ratios = [{"precision": p,
              **{f"{name}_over_plain": rounds_lib.ratio_stats(

@@ -116,6 +116,9 @@ def test_bench_peer_smoke_run_on_8_cpu_devices(tmp_path):
   assert out["layouts"]["uneven"]["mlp"]["counts"][0] < out["layouts"]["uneven"]["mlp"][
       "counts"][1]
   assert (tmp_path / "bench_peer.md").read_text().startswith("| precision |")
+  for (_, program), c in cells.items():   # tensor 8: each block's psums are all-reduces
+    assert ("all_reduces" in c) == (program != "plain")
+    assert program == "plain" or c["all_reduces"] > c["over_one_device"] >= 0
 
 
 def test_bad_flag_is_one_line(tmp_path):
@@ -165,3 +168,4 @@ def test_semijax_even_bfloat16_step_runs_the_gemms_of_plain_jax():
   # Per block q, k, v, out, two MLP GEMMs, scores and values; the head; forward and backward.
   assert sum(plain.values()) == 3 * (8 * s.layers + 1)
   assert ours == plain
+  assert semi["even"].collectives == {"all_reduces": 0, "over_one_device": 0}

@@ -2,33 +2,13 @@
 its size-1 axes left out of the arrays' types (`mesh.lowering_scope`), so a tensor psum (or a
 data psum with one replica) is no op, not an all-reduce over one device that XLA keeps."""
 
-import re
-
 import jax
 import numpy as np
 import pytest
 
 import helpers as H
+from benchmarks.hlo import all_reduce_group_sizes
 from semijax.core import mesh as mesh_lib
-
-
-def all_reduce_group_sizes(hlo: str) -> list[int]:
-  """The replica-group size of every all-reduce in compiled HLO text (explicit `{{0,1},{2,3}}`
-  or iota `[groups,size]<=[...]` groups; `{}`, all devices, reads as -1)."""
-  sizes = []
-  for line in hlo.splitlines():
-    if not re.search(r"\ball-reduce(-start)?\(", line):
-      continue
-    iota = re.search(r"replica_groups=\[\d+,(\d+)\]<=", line)
-    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if iota:
-      sizes.append(int(iota.group(1)))
-    elif explicit:
-      sizes.append(len(explicit.group(1).split(",")))
-    else:
-      assert "replica_groups={}" in line, line
-      sizes.append(-1)
-  return sizes
 
 
 def test_group_sizes_are_read_from_both_forms_of_hlo():
@@ -37,6 +17,8 @@ def test_group_sizes_are_read_from_both_forms_of_hlo():
          "  %b = f32[4]{0} all-reduce-start(f32[4]{0} %y), replica_groups=[2,4]<=[8], to_apply=%s\n"
          "  %c = f32[4]{0} add(f32[4]{0} %a, f32[4]{0} %b)\n")
   assert all_reduce_group_sizes(hlo) == [1, 4]
+  with pytest.raises(ValueError, match="without replica groups"):
+    all_reduce_group_sizes("  %d = f32[4]{0} all-reduce(f32[4]{0} %x), to_apply=%sum")
 
 
 def compiled_train_hlo(data, tensor):
