@@ -4,11 +4,16 @@ data psum with one replica) is no op, not an all-reduce over one device that XLA
 
 import jax
 import numpy as np
+import optax
 import pytest
 
+import dense_reference as dense_ref
 import helpers as H
 from benchmarks.hlo import all_reduce_group_sizes
+from semijax.core import layout as L
 from semijax.core import mesh as mesh_lib
+from semijax.core import pipeline
+from semijax.models import gpt, tasks
 
 
 def test_group_sizes_are_read_from_both_forms_of_hlo():
@@ -79,3 +84,25 @@ def test_the_scope_drops_only_size_1_axes():
   assert all_reduce_group_sizes(compiled.as_text()) == [2]
   np.testing.assert_allclose(compiled(x), x[:2] + x[2:])
 
+
+
+def test_a_pipelined_tensor_1_step_has_no_all_reduce_over_one_device_and_the_dense_loss():
+  kw = dict(H.GPT_KW, num_layers=4)
+  eng = pipeline.PipelineEngine(lambda rngs: gpt.GPT(rngs=rngs, **kw), tasks.language_model,
+                                mesh_lib.make_pipeline_mesh(1, 2, 1), optax.sgd(0.1),
+                                schedule="1f1b", microbatches=2)
+  one = L.Layout.for_model(d_model=kw["d_model"], num_heads=kw["num_heads"], d_ff=kw["d_ff"],
+                           num_devices=1)
+  layout = pipeline.PipeLayout.build(4, (1, 3), (one, one), capacity=3)
+  logical = eng.init_logical(0)
+  state = eng.to_padded(logical, layout)
+  batch = H.make_batch("gpt", 0, batch_size=4)
+  arranged, pplan = eng.arrange_batch(batch, (2,)), eng.plan(layout, (2,))
+  step = eng.programs.compiled("train", state, arranged, pplan)
+  sizes = all_reduce_group_sizes(step.as_text())
+  assert 1 not in sizes and -1 not in sizes, sizes   # the one psum left is over `pipe`: 2
+  _, metrics = step(state, arranged, pplan)
+  graphdef, ref_params = dense_ref.build(dense_ref.GPT, eng.logical_arrays(logical), **kw)
+  logp = jax.nn.log_softmax(dense_ref.apply(graphdef, ref_params, batch["inputs"]))
+  want = -np.take_along_axis(logp, batch["targets"][..., None], -1).mean()
+  np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5)
