@@ -53,14 +53,22 @@ def median_step_s(step, state, batch, plan, steps: int, warm: int = 3):
   return float(np.median(times)), state
 
 
+def bucket_layouts(layout) -> list[tuple[int, int, object]]:
+  """[(mlp width, heads width, `layout` with one device active at those widths)] for the i-th
+  bucket width of each kind (the heads' last where they have fewer); `layout` of one device."""
+  out = []
+  for i, w_mlp in enumerate(layout.mlp.widths):
+    w_heads = layout.heads.widths[min(i, len(layout.heads.widths) - 1)]
+    out.append((w_mlp, w_heads, layout.replace(mlp=layout.mlp.with_active([w_mlp]),
+                                               heads=layout.heads.with_active([w_heads]))))
+  return out
+
+
 def width_plans(engine, layout, kernels: Sequence[str]) -> list[tuple[dict, dict]]:
   """[({"mlp": w, "heads": h}, {program: plan})] at each bucket width: "single" (compiled for
   that width alone) and each width kernel of `kernels` (the branched step at that width)."""
   out = []
-  for i, w_mlp in enumerate(layout.mlp.widths):
-    w_heads = layout.heads.widths[min(i, len(layout.heads.widths) - 1)]
-    at = layout.replace(mlp=layout.mlp.with_active([w_mlp]),
-                        heads=layout.heads.with_active([w_heads]))
+  for w_mlp, w_heads, at in bucket_layouts(layout):
     plans = {"single": engine.plan(at, widths={"mlp": (w_mlp,), "heads": (w_heads,)})}
     plans.update({k: dataclasses.replace(engine.plan(at), kernel=k) for k in kernels})
     out.append(({"mlp": w_mlp, "heads": w_heads}, plans))

@@ -26,6 +26,7 @@ import jax
 from flax import nnx
 
 from benchmarks import blocks as blockbench
+from benchmarks import mfu
 from benchmarks import report
 from benchmarks import rounds as rounds_lib
 from semijax import errors
@@ -83,11 +84,7 @@ def cells(s: Settings) -> tuple[list[tuple[int, int]], dict[str, Callable[[], fl
   lay = layout_lib.Layout.for_model(d_model=s.d_model, num_heads=s.heads, d_ff=s.d_ff,
                                     num_devices=1, num_widths=s.num_widths)
   x = jax.random.normal(jax.random.key(1), (s.batch, s.seq_len, s.d_model), s.dtype)
-  at = []      # (mlp width, heads width, layout with those actives)
-  for i, w_mlp in enumerate(lay.mlp.widths):
-    w_heads = lay.heads.widths[min(i, len(lay.heads.widths) - 1)]
-    at.append((w_mlp, w_heads, lay.replace(mlp=lay.mlp.with_active([w_mlp]),
-                                           heads=lay.heads.with_active([w_heads]))))
+  at = mfu.bucket_layouts(lay)      # (mlp width, heads width, layout with those actives)
 
   def cell(fn, params, plan, mode=None):
     def call():   # a program keeps the branch mode of its first call (its trace)
