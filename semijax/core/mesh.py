@@ -135,14 +135,14 @@ def lowering_scope(mesh: jax.sharding.Mesh):
   """The context in which semijax traces and lowers the step programs of `mesh`. Where its
   `tensor` axis has size 1, mesh axes of size 1 are left out of the arrays' types, so a `tensor`
   psum (two per block forward, two backward) is no op at all. Otherwise each lowers to an
-  all-reduce over one device that XLA keeps (its simplifier drops only cross-replica
-  all-reduces, not shard_map's global-id ones): 48 in a 2-layer step, each a kernel launch and
-  a fusion boundary on a GPU.
+  all-reduce over one device, and XLA's simplifier drops only cross-replica all-reduces, not
+  shard_map's global-id ones: a 2-layer step lowered 48, of which XLA:CPU kept 7, each a
+  kernel launch and a fusion boundary on a GPU.
 
   With a `tensor` axis of size > 1 it changes nothing: only a one-replica `data` axis could go
   there (one all-reduce of the gradients a step), and dropping it made the even bfloat16 step on
-  8 fake CPU devices 1.2-1.3x slower in the peer benchmark, for reasons in XLA:CPU's scheduling
-  not pinned down."""
+  8 fake CPU devices 1.2-1.4x slower in the peer benchmark (1.68-1.88x plain JAX against
+  1.33-1.36x), for reasons in XLA:CPU's scheduling not pinned down."""
   if mesh.shape[TENSOR] > 1:
     return contextlib.nullcontext()
   return jax.remove_size_one_mesh_axis_from_type(True)
