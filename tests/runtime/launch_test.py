@@ -74,8 +74,7 @@ def test_two_process_semi_run_shares_its_decisions(tmp_path):
           "--workdir", str(tmp_path / "work")] + [f"--config.{k}={v}" for k, v in overrides.items()]
   cores = sorted(os.sched_getaffinity(0))
   result = launch.launch(argv, 2, cores=[cores[:1], cores[-1:]], devices_per_process=1,
-                         env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "true"}, timeout_s=300,
-                         log_dir=str(tmp_path / "logs"))
+                         timeout_s=300, log_dir=str(tmp_path / "logs"))
   assert result.returncodes == [0, 0], result.failure_message() or open(
       result.log_paths[1]).read()[-3000:]
   records = metrics.read_jsonl(str(tmp_path / "work" / "metrics.jsonl"))
