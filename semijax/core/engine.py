@@ -48,6 +48,8 @@ class Engine(engine_state.StateForms):
     strict: if True, a step for a bucket that was not compiled raises instead of compiling.
     kernel: how a device computes its width of a block (`layout.kernel`, `Plan.kernel`):
       "switch", "pallas" or "auto" (pallas on GPU and TPU).
+    accumulation: microbatches a train step runs in sequence before its one update
+      (`gradient_accumulation_steps`; `engine_steps.StepFunctions`).
 
   The state's forms and moves (`init`, `init_logical`, `to_padded`, `to_logical`, `move`, ...)
   are mixed in from `engine_state.StateForms`; the traceable loss and steps are `steps`
@@ -57,7 +59,7 @@ class Engine(engine_state.StateForms):
 
   def __init__(self, model_fn: Callable[[nnx.Rngs], nnx.Module], loss_terms: Callable,
                mesh: jax.sharding.Mesh, tx: optax.GradientTransformation, *,
-               strict: bool = False, kernel: str = "auto"):
+               strict: bool = False, kernel: str = "auto", accumulation: int = 1):
     width_gemm.resolve(kernel)               # names layout.kernel when it is not one of them
     self.kernel = kernel
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
@@ -85,7 +87,7 @@ class Engine(engine_state.StateForms):
     # engine so that runs which reuse it (benchmarks) reuse them too.
     self.helper_programs: dict = {}
     self.steps = engine_steps.StepFunctions(self.graphdef, loss_terms, self.input_key, self.axes,
-                                            self.unit_sizes, mesh, tx)
+                                            self.unit_sizes, mesh, tx, accumulation)
     self.programs = engine_programs.StepPrograms(
         self.steps.train_step, self.steps.eval_step, self.state_shardings, self.replicated, mesh,
         strict=strict)

@@ -37,12 +37,18 @@ class StepFunctions:
     unit_sizes: {kind: width of one unit}.
     mesh: the (data, tensor) mesh.
     tx: the optax optimizer.
+    accumulation: K, microbatches a train step runs in sequence, adding their gradients before
+      its one update (gradient accumulation: activations of B / K examples live at a time).
   """
 
   def __init__(self, graphdef, loss_terms: Callable, input_key: str, axes, unit_sizes: dict,
-               mesh: jax.sharding.Mesh, tx: optax.GradientTransformation):
+               mesh: jax.sharding.Mesh, tx: optax.GradientTransformation,
+               accumulation: int = 1):
+    if accumulation < 1:
+      raise ValueError(f"gradient_accumulation_steps: {accumulation} is not a positive integer")
     self.graphdef, self.loss_terms, self.input_key = graphdef, loss_terms, input_key
     self.axes, self.unit_sizes, self.mesh, self.tx = axes, unit_sizes, mesh, tx
+    self.accumulation = accumulation
     self.trace_count = 0     # traces of the train and eval steps
 
   def _model_terms(self, params, batch, plan) -> dict:
@@ -110,10 +116,54 @@ class StepFunctions:
     return jax.jit(lambda p, b, pl: self._sharded(local, P(mesh_lib.DATA), p, b, pl))(
         params, batch, plan)
 
+  def microbatches(self, batch):
+    """A data shard's rows [n, ...] as K microbatches [K, n / K, ...] of consecutive rows (inside
+    `shard_map`; each microbatch of the global batch is then split evenly over the shards)."""
+    k = self.accumulation
+
+    def split(x):
+      if x.shape[0] % k:
+        raise ValueError(f"gradient_accumulation_steps: a data shard's {x.shape[0]} rows do not "
+                         f"split into {k} microbatches")
+      return x.reshape((k, x.shape[0] // k) + x.shape[1:])
+    return jax.tree.map(split, batch)
+
+  def _accumulated(self, params, batch, plan):
+    """Inside `shard_map`: this data shard's gradient of the global batch's mean loss, summed over
+    `accumulation` microbatches in a `lax.scan`, and the global loss terms. The parameters enter
+    typed as varying over `data`, so a microbatch's gradient stays on its shard (no all-reduce in
+    the loop); the sums over `data` run once, after it, and the whole batch's count divides
+    them."""
+    params = jax.tree.map(lambda x: mesh_lib.vary(x, (mesh_lib.DATA,)), params)
+    loss_sum = lambda p, mb: (lambda t: (t["loss_sum"], t))(self._model_terms(p, mb, plan))
+
+    def add(acc, mb):
+      (_, terms), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, mb)
+      return jax.tree.map(jnp.add, acc, (grads, terms)), None
+
+    micro = self.microbatches(batch)
+    wide = lambda dtype: jnp.promote_types(dtype, jnp.float32)     # sums in float32 at least
+    terms = jax.eval_shape(lambda mb: loss_sum(params, mb)[1], jax.tree.map(lambda x: x[0], micro))
+    zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, wide(p.dtype)), params),   # typed as p
+             jax.tree.map(lambda t: mesh_lib.vary(jnp.zeros(t.shape, wide(t.dtype)),
+                                                  (mesh_lib.DATA,)), terms))
+    (grads, terms), _ = jax.lax.scan(add, zeros, micro)
+    grads, terms = jax.lax.psum((grads, terms), mesh_lib.DATA)
+    return jax.tree.map(lambda g, p: (g / terms["count"]).astype(p.dtype), grads, params), terms
+
+  def grads_and_terms(self, params, batch, plan):
+    """(gradients of the mean loss over the global batch, its summed terms): in one pass, or
+    over `accumulation` microbatches (`_accumulated`)."""
+    if self.accumulation == 1:
+      (_, terms), grads = jax.value_and_grad(self.loss, has_aux=True)(params, batch, plan)
+      return grads, terms
+    return self._sharded(self._accumulated, (sharding.specs(self.axes), P()), params, batch, plan)
+
   def train_step(self, state: engine_state.TrainState, batch, plan):
     """The pure train step: (padded state, sharded batch, plan) -> (new state, metrics)."""
     self.trace_count += 1
-    (loss, terms), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch, plan)
+    grads, terms = self.grads_and_terms(state.params, batch, plan)
+    loss = terms["loss_sum"] / terms["count"]
     if plan.resize is not None:
       masks = resize_lib.skip_masks(plan.resize, plan.active, self.axes, self.unit_sizes)
       grads = resize_lib.impute_gradients(plan.resize, masks, grads)

@@ -49,6 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.seed = 0                       # Initialization and data order.
   c.steps = 200                    # Optimizer steps in total (a resumed run continues to this).
   c.batch_size = 16                # Global batch (split over mesh.data and processes).
+  c.gradient_accumulation_steps = 1   # Microbatches a step runs in sequence before its update.
   c.eval_every = 50                # Steps between validation passes (and at the last step).
   c.log_every = 10                 # Steps between metric lines / progress reports.
   c.checkpoint_every = 100         # Steps between checkpoints (and at the last step); 0 = end only.
@@ -278,6 +279,8 @@ class RunConfig:
     profile: the trace and the MFU peak (`config.profile`).
     run_ahead: whether steps may run ahead of the host (`trainer` module doc).
     kernel: how a device computes its width of a block (`layout.kernel`, `Plan.kernel`).
+    accumulation: microbatches a tensor-parallel step runs before its one update
+      (`gradient_accumulation_steps`).
   """
 
   seed: int
@@ -301,6 +304,7 @@ class RunConfig:
   profile: profile_lib.ProfileSpec = profile_lib.ProfileSpec()
   run_ahead: bool = True
   kernel: str = "auto"
+  accumulation: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,7 +448,8 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   _check_keys(config, schema, "config")
   spec = models.spec(name, {k: v for k, v in model_cfg.items() if k != "name"},
                      backend=None if num_devices is None else jax.default_backend())
-  for field in ("steps", "batch_size", "eval_every", "log_every", "keep_checkpoints"):
+  for field in ("steps", "batch_size", "eval_every", "log_every", "keep_checkpoints",
+                "gradient_accumulation_steps"):
     _int(config[field], field)
   _int(config.seed, "seed", 0)
   _int(config.checkpoint_every, "checkpoint_every", 0)
@@ -459,6 +464,11 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   if config.batch_size % (mesh.data * process_count):
     raise ConfigError(f"config.batch_size: {config.batch_size} is not divisible by mesh.data "
                       f"* processes = {mesh.data} * {process_count}")
+  accumulation = config.gradient_accumulation_steps
+  if config.batch_size % (mesh.data * process_count * accumulation):
+    raise ConfigError(f"config.gradient_accumulation_steps: batch_size {config.batch_size} does "
+                      f"not split into {accumulation} microbatches over mesh.data * processes = "
+                      f"{mesh.data} * {process_count}")
   try:
     layout = layout_lib.Layout.for_model(
         d_model=spec.d_model, num_heads=spec.num_units()["heads"], d_ff=spec.d_ff,
@@ -480,7 +490,8 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
                    sync=sync, profile=profile_lib.ProfileSpec.from_config(config),
-                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config))
+                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config),
+                   accumulation=accumulation)
 
 
 PIPELINE_POLICIES = ("even", "static")
@@ -503,6 +514,10 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
       hint = f"; use config.{instead}" if instead else ""
       raise ConfigError(f"config.{name}: pipelined and planned runs (mesh.pipe > 1 or "
                         f"config.plan) do not take it{hint}")
+  if config.gradient_accumulation_steps != 1:
+    raise ConfigError("config.gradient_accumulation_steps: pipelined and planned runs (mesh.pipe "
+                      "> 1 or config.plan) split the batch into config.pipeline.microbatches "
+                      "instead; leave it at 1")
   if config.balance.policy not in PIPELINE_POLICIES:
     raise ConfigError(f"config.balance.policy: pipelined and planned runs use the fixed layout of "
                       f"their config or plan (policies {list(PIPELINE_POLICIES)}), not "
@@ -675,6 +690,10 @@ def _sync(config, mesh: mesh_lib.MeshSpec, balance: settings_lib.BalanceSettings
   sync = _sync_settings(config, mesh.data)
   if sync.mode == "sync":
     return sync
+  if config.gradient_accumulation_steps != 1:
+    raise ConfigError(f"config.gradient_accumulation_steps: sync.mode {sync.mode!r} computes a "
+                      "replica's gradients in one pass; accumulation runs under sync.mode "
+                      "'sync' (leave it at 1)")
   if balance.policy not in REPLICA_MODE_POLICIES or resize.scheduled:
     raise ConfigError(f"config.balance.policy: sync.mode {sync.mode!r} runs with policies "
                       f"{list(REPLICA_MODE_POLICIES)} and no resize schedule, not "

@@ -30,7 +30,8 @@ def build_engine(run: config_lib.RunConfig) -> engine_lib.Engine:
   """The engine of a run (model, optimizer, mesh)."""
   model_fn, loss_terms = models.build(run.model)
   return engine_lib.Engine(model_fn, loss_terms, run.mesh.make(),
-                           optimizer_lib.make(run.optimizer, run.steps), kernel=run.kernel)
+                           optimizer_lib.make(run.optimizer, run.steps), kernel=run.kernel,
+                           accumulation=run.accumulation)
 
 
 def step_tokens(run: config_lib.RunConfig) -> int:

@@ -59,6 +59,16 @@ def refused(config, workdir, match):
     (lambda c: c.optimizer.__setattr__("mu_dtype", "half"), r"^config.optimizer.mu_dtype: 'half'"),
     (lambda c: c.layout.__setattr__("kernel", "cond"),
      r"^config.layout.kernel: 'cond' is not one of \('switch', 'pallas', 'auto'\)"),
+    (lambda c: c.__setattr__("gradient_accumulation_steps", 0),
+     r"^config.gradient_accumulation_steps: must be an integer >= 1, got 0"),
+    (lambda c: c.__setattr__("gradient_accumulation_steps", 3),
+     r"^config.gradient_accumulation_steps: batch_size 8 does not split into 3 microbatches"),
+    (lambda c: c.update(gradient_accumulation_steps=2, sync={"mode": "local_sgd"},
+                          mesh={"data": 2, "tensor": 2}),
+     r"^config.gradient_accumulation_steps: sync.mode 'local_sgd' computes a replica's"),
+    (lambda c: c.update(gradient_accumulation_steps=2, mesh={"pipe": 2, "tensor": 2},
+                          model={"num_layers": 2}),
+     r"^config.gradient_accumulation_steps: pipelined and planned runs"),
 ])
 def test_bad_config_is_refused_before_compiling(tmp_path, edit, match):
   config = tiny_gpt()

@@ -50,6 +50,18 @@ def test_uneven_layout_without_slowdown_gives_the_even_losses(tmp_path, mlp, hea
   assert even["losses"][-1] < even["losses"][0]
 
 
+def test_accumulated_steps_give_the_losses_of_whole_batch_steps(tmp_path):
+  # Two data replicas of an uneven tensor layout, each step in 4 microbatches of one row a
+  # replica: the losses of steps over the whole batch at once, up to summation order.
+  whole = train.train_and_evaluate(tiny_gpt(tensor=2, steps=5), str(tmp_path / "whole"))
+  config = tiny_gpt(tensor=2, steps=5, mlp=(40, 24), heads=(3, 5))
+  config.mesh.data, config.gradient_accumulation_steps = 2, 4
+  accumulated = train.train_and_evaluate(config, str(tmp_path / "accumulated"))
+  np.testing.assert_allclose(accumulated["losses"], whole["losses"], rtol=1e-5)
+  np.testing.assert_allclose(accumulated["val/loss"], whole["val/loss"], rtol=1e-5)
+  assert whole["losses"][-1] < whole["losses"][0]
+
+
 def test_restore_onto_another_layout_and_device_count(tmp_path, monkeypatch):
   # Layout A on 4 tensor devices, interrupted after the step-3 checkpoint; continue with layout B
   # on 8 tensor devices. Losses match the run that never changed layout.
