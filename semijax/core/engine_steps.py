@@ -92,14 +92,26 @@ class StepFunctions:
     """Each data replica's own gradients, on its own parameters: stacked_params [R, *P]
     (global; row r on replica r's tensor group) -> (gradients [R, *P] of each replica's mean
     loss over its own rows of `batch`, loss terms {name: [R]}). Nothing is summed over `data`
-    (the replica modes of `semijax.sync` combine them)."""
+    (the replica modes of `semijax.sync` combine them). Over `accumulation` microbatches of
+    each replica's rows where it is > 1 (`_accumulate`)."""
     stacked = jax.tree.map(lambda a: P(mesh_lib.DATA, *a.spec()), self.axes)
     in_specs = (stacked, jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
                 plan_lib.plan_specs(plan))
 
+    lead = lambda t: jnp.reshape(t, (1,) + t.shape)
+
+    if self.accumulation > 1:
+      def accumulated(params, batch, plan):   # this replica's own mean, from its microbatches
+        params = jax.tree.map(lambda x: x[0], params)
+        grads, terms = self._accumulate(params, batch, plan)
+        mean = jax.tree.map(lambda g, p: (g / terms["count"]).astype(p.dtype), grads, params)
+        return jax.tree.map(lead, (mean, terms))
+      return jax.shard_map(accumulated, mesh=self.mesh, in_specs=in_specs,
+                           out_specs=(stacked, P(mesh_lib.DATA)))(stacked_params, batch, plan)
+
     def local(params, batch, plan):
-      terms = self._model_terms(jax.tree.map(lambda x: x[0], params), batch, plan)
-      return jax.tree.map(lambda t: jnp.reshape(t, (1,)), terms)
+      return jax.tree.map(lead, self._model_terms(jax.tree.map(lambda x: x[0], params), batch,
+                                                  plan))
 
     def losses(stacked_params):
       terms = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
@@ -128,12 +140,11 @@ class StepFunctions:
       return x.reshape((k, x.shape[0] // k) + x.shape[1:])
     return jax.tree.map(split, batch)
 
-  def _accumulated(self, params, batch, plan):
-    """Inside `shard_map`: this data shard's gradient of the global batch's mean loss, summed over
-    `accumulation` microbatches in a `lax.scan`, and the global loss terms. The parameters enter
-    typed as varying over `data`, so a microbatch's gradient stays on its shard (no all-reduce in
-    the loop); the sums over `data` run once, after it, and the whole batch's count divides
-    them."""
+  def _accumulate(self, params, batch, plan):
+    """Inside `shard_map`: sums over `accumulation` microbatches of this data shard's rows (a
+    `lax.scan`) of the gradient of the loss sum, and of the loss terms, both typed as varying
+    over `data` (the parameters enter so typed: a microbatch's gradient stays on its shard, and
+    the loop has no all-reduce over `data`). Sums in float32 at least."""
     params = jax.tree.map(lambda x: mesh_lib.vary(x, (mesh_lib.DATA,)), params)
     loss_sum = lambda p, mb: (lambda t: (t["loss_sum"], t))(self._model_terms(p, mb, plan))
 
@@ -142,13 +153,18 @@ class StepFunctions:
       return jax.tree.map(jnp.add, acc, (grads, terms)), None
 
     micro = self.microbatches(batch)
-    wide = lambda dtype: jnp.promote_types(dtype, jnp.float32)     # sums in float32 at least
+    wide = lambda dtype: jnp.promote_types(dtype, jnp.float32)
     terms = jax.eval_shape(lambda mb: loss_sum(params, mb)[1], jax.tree.map(lambda x: x[0], micro))
     zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, wide(p.dtype)), params),   # typed as p
              jax.tree.map(lambda t: mesh_lib.vary(jnp.zeros(t.shape, wide(t.dtype)),
                                                   (mesh_lib.DATA,)), terms))
-    (grads, terms), _ = jax.lax.scan(add, zeros, micro)
-    grads, terms = jax.lax.psum((grads, terms), mesh_lib.DATA)
+    return jax.lax.scan(add, zeros, micro)[0]
+
+  def _accumulated(self, params, batch, plan):
+    """Inside `shard_map`: the gradient of the global batch's mean loss and the global terms,
+    summed over `data` once, after the microbatches (`_accumulate`), and divided by the whole
+    batch's count (a mean of microbatch means would weigh unequal counts wrong)."""
+    grads, terms = jax.lax.psum(self._accumulate(params, batch, plan), mesh_lib.DATA)
     return jax.tree.map(lambda g, p: (g / terms["count"]).astype(p.dtype), grads, params), terms
 
   def grads_and_terms(self, params, batch, plan):

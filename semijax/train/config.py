@@ -690,10 +690,6 @@ def _sync(config, mesh: mesh_lib.MeshSpec, balance: settings_lib.BalanceSettings
   sync = _sync_settings(config, mesh.data)
   if sync.mode == "sync":
     return sync
-  if config.gradient_accumulation_steps != 1:
-    raise ConfigError(f"config.gradient_accumulation_steps: sync.mode {sync.mode!r} computes a "
-                      "replica's gradients in one pass; accumulation runs under sync.mode "
-                      "'sync' (leave it at 1)")
   if balance.policy not in REPLICA_MODE_POLICIES or resize.scheduled:
     raise ConfigError(f"config.balance.policy: sync.mode {sync.mode!r} runs with policies "
                       f"{list(REPLICA_MODE_POLICIES)} and no resize schedule, not "

@@ -61,7 +61,8 @@ def _local_engine(engine: engine_lib.Engine) -> engine_lib.Engine:
   if engine not in _LOCAL:
     _LOCAL[engine] = engine_lib.Engine(engine.model_fn, engine.loss_terms,
                                        real_lib.local_mesh(engine.mesh), engine.tx,
-                                       kernel=engine.kernel)
+                                       kernel=engine.kernel,
+                                       accumulation=engine.steps.accumulation)
   return _LOCAL[engine]
 
 

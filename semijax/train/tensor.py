@@ -56,13 +56,14 @@ def build_emulator(run: config_lib.RunConfig) -> emulation.Emulator | None:
 
 
 def cached_engine(run: config_lib.RunConfig, cache: dict | None) -> engine_lib.Engine:
-  """A new engine, or one of `cache` whose model, mesh, optimizer (schedule included) and batch
-  match. Runs of different lengths on one schedule share an engine and its compiled steps."""
+  """A new engine, or one of `cache` whose model, mesh, optimizer (schedule included), batch,
+  width kernel and gradient accumulation match. Runs of different lengths on one schedule share
+  an engine and its compiled steps."""
   if cache is None:
     return build_engine(run)
   schedule = optimizer_lib.schedule_length(run.optimizer, run.steps)
   key = (run.model, run.mesh, dataclasses.replace(run.optimizer, schedule_steps=schedule),
-         run.batch_size)
+         run.batch_size, run.kernel, run.accumulation)
   if key not in cache:
     cache[key] = build_engine(run)
   return cache[key]

@@ -97,3 +97,18 @@ def test_accumulation_shrinks_the_step_temporaries():
     compiled = eng.programs.compiled_fn("train", state, batch, eng.plan(layout))
     temps[k] = compiled.memory_analysis().temp_size_in_bytes
   assert temps[4] < 0.5 * temps[1], temps
+
+
+def test_each_replica_accumulates_its_own_mean_gradient():
+  """The replica modes' gradients (`replica_grads_and_terms`): each data replica's mean over
+  its own rows, from 2 microbatches of unequal token counts, equal to the one-pass ones."""
+  engines = [H.make_engine("gpt", data=2, tensor=4, accumulation=k) for k in (1, 2)]
+  layout = H.random_layout(4, 4)
+  params = engines[0].to_padded(engines[0].init_logical(0), layout).params
+  stacked = jax.tree.map(lambda x: jnp.stack([x, 1.5 * x]), params)   # two replicas' own
+  batch = engines[0].shard_batch(_weighted_batch(9, batch_size=8))
+  (g1, t1), (g2, t2) = [jax.jit(e.replica_grads_and_terms)(stacked, batch, e.plan(layout))
+                        for e in engines]
+  np.testing.assert_allclose(np.asarray(t2["loss_sum"]), np.asarray(t1["loss_sum"]), rtol=1e-6)
+  assert not np.allclose(np.asarray(t1["count"])[0], np.asarray(t1["count"])[1])
+  H.assert_trees_close(g2, g1, atol=1e-6, rtol=1e-5)

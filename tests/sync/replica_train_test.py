@@ -50,6 +50,16 @@ def test_equal_replicas_train_exactly_like_sync(tmp_path, layout):
     assert [r["step"] for r in records] == [3, 4], mode
 
 
+@pytest.mark.parametrize("mode", ["ssaw", "local_sgd"])
+def test_replicas_accumulating_microbatches_train_like_whole_batches(tmp_path, mode):
+  # Each of 4 replicas runs its 2 rows as 2 microbatches: its own mean gradient, up to
+  # summation order, so the run's losses are those of one pass.
+  whole = run(config(mode, steps=3), tmp_path / "whole")
+  accumulated = run(config(mode, steps=3, gradient_accumulation_steps=2), tmp_path / "acc")
+  np.testing.assert_allclose(accumulated["losses"], whole["losses"], rtol=1e-5)
+  np.testing.assert_allclose(accumulated["val/loss"], whole["val/loss"], rtol=1e-5)
+
+
 def test_slow_replicas_use_every_sample_once_and_the_fast_take_more(tmp_path):
   c = config("ssaw", (1.0, 1.0, 2.0, 4.0), steps=5, **{"sync.staleness_bound": 2})
   owned = H.check_every_microbatch_once(run(c, tmp_path), tmp_path, steps=5, replicas=4,
