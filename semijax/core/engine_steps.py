@@ -25,6 +25,11 @@ def _paths(names: tuple) -> nnx.filterlib.Filter:
   return nnx.Any(*(nnx.PathContains(p) for p in names))
 
 
+def _mean(grads, terms: dict, params):
+  """Summed gradients divided by the summed token count, in the parameters' dtypes."""
+  return jax.tree.map(lambda g, p: (g / terms["count"]).astype(p.dtype), grads, params)
+
+
 class StepFunctions:
   """The traceable functions of one model on one mesh: loss, gradients and steps on padded
   parameters and a batch split over `data`.
@@ -104,8 +109,7 @@ class StepFunctions:
       def accumulated(params, batch, plan):   # this replica's own mean, from its microbatches
         params = jax.tree.map(lambda x: x[0], params)
         grads, terms = self._accumulate(params, batch, plan)
-        mean = jax.tree.map(lambda g, p: (g / terms["count"]).astype(p.dtype), grads, params)
-        return jax.tree.map(lead, (mean, terms))
+        return jax.tree.map(lead, (_mean(grads, terms, params), terms))
       return jax.shard_map(accumulated, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(stacked, P(mesh_lib.DATA)))(stacked_params, batch, plan)
 
@@ -146,7 +150,10 @@ class StepFunctions:
     over `data` (the parameters enter so typed: a microbatch's gradient stays on its shard, and
     the loop has no all-reduce over `data`). Sums in float32 at least."""
     params = jax.tree.map(lambda x: mesh_lib.vary(x, (mesh_lib.DATA,)), params)
-    loss_sum = lambda p, mb: (lambda t: (t["loss_sum"], t))(self._model_terms(p, mb, plan))
+
+    def loss_sum(params, mb):                 # (the value to differentiate, every term)
+      terms = self._model_terms(params, mb, plan)
+      return terms["loss_sum"], terms
 
     def add(acc, mb):
       (_, terms), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, mb)
@@ -165,7 +172,7 @@ class StepFunctions:
     summed over `data` once, after the microbatches (`_accumulate`), and divided by the whole
     batch's count (a mean of microbatch means would weigh unequal counts wrong)."""
     grads, terms = jax.lax.psum(self._accumulate(params, batch, plan), mesh_lib.DATA)
-    return jax.tree.map(lambda g, p: (g / terms["count"]).astype(p.dtype), grads, params), terms
+    return _mean(grads, terms, params), terms
 
   def grads_and_terms(self, params, batch, plan):
     """(gradients of the mean loss over the global batch, its summed terms): in one pass, or
