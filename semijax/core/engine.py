@@ -31,6 +31,7 @@ from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import plan as plan_lib
 from semijax.core import precision as precision_lib
+from semijax.core import remat
 from semijax.core import sharding
 from semijax.core import width_gemm
 
@@ -74,6 +75,7 @@ class Engine(engine_state.StateForms):
     self.logical_shapes = jax.tree.map(lambda v: v.shape, nnx.to_pure_dict(abstract_state))
     self.input_key = abstract.input_key
     self.precision = getattr(abstract, "precision", precision_lib.Precision())
+    remat.check(self.precision.remat_policy, kernel)
     self.unit_sizes = abstract.unit_sizes()
     self.num_units = self._num_units()
     blocks = [sharding.block_index(path) for path, _ in

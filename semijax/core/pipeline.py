@@ -52,6 +52,7 @@ from semijax.core import pipeline_model
 from semijax.core import pipeline_programs
 from semijax.core import pipeline_state
 from semijax.core import pipeline_step
+from semijax.core import remat
 from semijax.core import schedule as schedule_lib
 from semijax.core import width_gemm
 from semijax.core.engine import TrainState
@@ -89,6 +90,7 @@ class PipelineEngine:
       raise ValueError(f"pipeline.schedule: {schedule!r} is not one of "
                        f"{list(schedule_lib.SCHEDULES)}")
     self.parts = parts = pipeline_model.PipeModel.of(model_fn)
+    remat.check(parts.remat_policy, kernel)
     self.model_fn, self.loss_terms, self.mesh, self.tx = model_fn, loss_terms, mesh, tx
     self.schedule, self.microbatches = schedule, int(microbatches)
     self.graphdef, self.block_graphdef = parts.graphdef, parts.block_graphdef

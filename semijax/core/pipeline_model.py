@@ -47,6 +47,8 @@ class PipeModel:
     input_key: the batch key the stem reads.
     unit_sizes: {kind: columns of one unit}.
     num_units: {kind: U, units of that kind in one block}.
+    remat_policy: what a stage keeps of each block's activations for its backward pass
+      (`core.remat`; the model's `precision.remat_policy`).
   """
 
   model_fn: Callable[[nnx.Rngs], nnx.Module]
@@ -58,6 +60,7 @@ class PipeModel:
   input_key: str
   unit_sizes: dict
   num_units: dict
+  remat_policy: str = "none"
 
   @classmethod
   def of(cls, model_fn: Callable[[nnx.Rngs], nnx.Module]) -> "PipeModel":
@@ -71,7 +74,8 @@ class PipeModel:
     unit_sizes = abstract.unit_sizes()
     return cls(model_fn, graphdef, block_graphdef, block_axes, axes,
                len(full_axes["encoder"]["blocks"]), abstract.input_key, unit_sizes,
-               _num_units(abstract_state, block_axes, unit_sizes))
+               _num_units(abstract_state, block_axes, unit_sizes),
+               getattr(abstract.encoder, "remat_policy", "none"))
 
   def shared_model(self, shared):
     """The model with `shared` parameters (its blocks' parameters are placeholders: only

@@ -16,6 +16,7 @@ from flax import nnx
 from semijax.core import mesh as mesh_lib
 from semijax.core import pipeline_model
 from semijax.core import plan as plan_lib
+from semijax.core import remat
 from semijax.core import schedule as schedule_lib
 
 DATA, PIPE, TENSOR = mesh_lib.DATA, mesh_lib.PIPE, mesh_lib.TENSOR
@@ -45,10 +46,13 @@ class PipeStep:
     self.stages, self.schedule, self.microbatches = stages, schedule, microbatches
 
   def _stage(self, stack, count, plan, x):
-    """Runs this stage's layer slots on x [mb, seq, d_model]; slots >= count are skipped."""
+    """Runs this stage's layer slots on x [mb, seq, d_model]; slots >= count are skipped. (A
+    backward tick reruns the stage's forward pass from its input; `remat_policy` says what
+    that pass keeps of each block, `core.remat`.)"""
     def body(x, item):
       params, slot = item
-      run = lambda x: nnx.merge(self.model.block_graphdef, params)(x, plan)
+      block = nnx.merge(self.model.block_graphdef, params)
+      run = lambda x: remat.run_block(block, x, plan, self.model.remat_policy)
       return jax.lax.cond(slot < count, run, lambda x: x, x), None
     slots = jnp.arange(jax.tree.leaves(stack)[0].shape[0])
     x, _ = jax.lax.scan(body, x, (stack, slots))

@@ -1,4 +1,5 @@
-"""Numeric precision of a model: the compute dtype, the storage dtype, the attention kernel.
+"""How a model computes, beyond what it holds: the compute dtype, the storage dtype, the attention
+kernel and the rematerialization policy (none of them changes what a checkpoint holds).
 
 Names follow MaxText: `dtype` is what the blocks compute in (activations, GEMM inputs and
 outputs, the tensor all-reduce of partial sums), `param_dtype` what parameters are stored in
@@ -9,6 +10,9 @@ attention softmax, the logits and the loss are float32.
 `attention` picks the implementation of `jax.nn.dot_product_attention`: "xla" (einsums and a
 softmax, every backend), "cudnn" (the fused cuDNN kernel: a CUDA GPU, bfloat16 or float16, head
 dimension a multiple of 8 up to 128) or "auto" (cuDNN where it applies, else XLA).
+
+`remat_policy` says which activations a training step keeps for its backward pass and which it
+recomputes (`core.remat`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from semijax.core import remat
 from semijax.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -29,11 +34,12 @@ _HALF = ("bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-  """`config.model.dtype`, `.param_dtype` and `.attention` (see module doc)."""
+  """`config.model.dtype`, `.param_dtype`, `.attention` and `.remat_policy` (see module doc)."""
 
   dtype: str = "float32"
   param_dtype: str = "float32"
   attention: str = "auto"
+  remat_policy: str = "none"
 
   def validate(self, backend: str | None = None) -> "Precision":
     """Raises ConfigError naming the bad field; `backend` (jax.default_backend()), when given,
@@ -43,6 +49,9 @@ class Precision:
         raise ConfigError(f"config.model.{name}: {getattr(self, name)!r} is not one of {DTYPES}")
     if self.attention not in ATTENTION:
       raise ConfigError(f"config.model.attention: {self.attention!r} is not one of {ATTENTION}")
+    if self.remat_policy not in remat.POLICIES:
+      raise ConfigError(f"config.model.remat_policy: {self.remat_policy!r} is not one of "
+                        f"{remat.POLICIES}")
     if self.attention == "cudnn" and self.dtype not in _HALF:
       raise ConfigError(f"config.model.attention: 'cudnn' needs model.dtype bfloat16 or float16, "
                         f"got {self.dtype!r}; use 'auto' or 'xla'")

@@ -24,6 +24,7 @@ from flax import nnx
 from semijax.core import kernels
 from semijax.core import plan as plan_lib
 from semijax.core import precision as precision_lib
+from semijax.core import remat
 from semijax.core import repeated
 from semijax.core import tp
 
@@ -132,6 +133,7 @@ class Encoder(nnx.Module):
     self.blocks = nnx.List([Block(d_model, num_heads, d_ff, causal=causal, precision=precision,
                                   rngs=rngs) for _ in range(num_layers)])
     self.ln_f = layer_norm(d_model, precision, rngs)
+    self.remat_policy = precision.remat_policy   # `core.remat`
 
   def __call__(self, x, plan: plan_lib.Plan):
     """x: [batch, seq, d_model] replicated over tensor; block i gets `plan.layer(i)`."""
@@ -140,5 +142,5 @@ class Encoder(nnx.Module):
   def run_blocks(self, x, plan: plan_lib.Plan):
     """The blocks alone (a pipeline stage runs its own share of them, `core.pipeline`)."""
     for i, block in enumerate(self.blocks):
-      x = block(x, plan.layer(i))
+      x = remat.run_block(block, x, plan.layer(i), self.remat_policy)
     return x

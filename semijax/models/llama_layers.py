@@ -18,6 +18,7 @@ from flax import nnx
 
 from semijax.core import kernels_llama
 from semijax.core import plan as plan_lib
+from semijax.core import remat
 from semijax.core import repeated
 from semijax.core import tp
 from semijax.models import layers
@@ -112,6 +113,7 @@ class Encoder(nnx.Module):
     self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, d_ff, precision=precision,
                                   rngs=rngs) for _ in range(num_layers)])
     self.final_norm = rms_norm(d_model, precision, rngs)
+    self.remat_policy = precision.remat_policy   # `core.remat`
 
   def __call__(self, x, plan: plan_lib.Plan):
     """x: [batch, seq, d_model] replicated over tensor; block i gets `plan.layer(i)`."""
@@ -120,5 +122,5 @@ class Encoder(nnx.Module):
   def run_blocks(self, x, plan: plan_lib.Plan):
     """The blocks alone (a pipeline stage runs its own share of them, `core.pipeline`)."""
     for i, block in enumerate(self.blocks):
-      x = block(x, plan.layer(i))
+      x = remat.run_block(block, x, plan.layer(i), self.remat_policy)
     return x

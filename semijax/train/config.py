@@ -31,6 +31,7 @@ from semijax.balance import settings as settings_lib
 from semijax.core import emulation
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
+from semijax.core import remat
 from semijax.core import resize as resize_lib
 from semijax.core import schedule as schedule_lib
 from semijax.core import spec as spec_lib
@@ -204,6 +205,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"        # Compute: activations, GEMMs, the tensor all-reduce.
   c.model.param_dtype = "float32"  # Storage: the master weights the optimizer updates.
   c.model.attention = "auto"       # xla | cudnn | auto (cuDNN on a CUDA GPU in bf16/fp16).
+  c.model.remat_policy = "none"    # none | full | minimal: activations a step keeps (core.remat).
   c.data = ml_collections.ConfigDict()
   c.data.name = ""                 # gpt: "pydoc" | "stdlib" | "text_file" | "tokens";
                                    # vit: "digits" | "npy".
@@ -356,10 +358,14 @@ def _bool(value, field: str) -> bool:
   return value
 
 
-def _kernel(config) -> str:
+def _kernel(config, spec, num_devices: int | None) -> str:
+  """`layout.kernel`, checked, and with it the model's remat policy where the backend is known
+  (`num_devices` given)."""
   kernel = config.layout.get("kernel", "auto")
   try:
     width_gemm.resolve(kernel, "cpu")        # names layout.kernel when it is not one of them
+    if num_devices is not None:
+      remat.check(spec.precision.remat_policy, kernel)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
   return kernel
@@ -490,7 +496,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
                    sync=sync, profile=profile_lib.ProfileSpec.from_config(config),
-                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config),
+                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config, spec, num_devices),
                    accumulation=accumulation)
 
 
@@ -605,7 +611,7 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                    spec, layout, hetero, resize, balance, optimizer,
                    data_lib.DataSpec.from_config(config), config.to_dict(), sync=sync,
                    pipeline=pipeline, profile=profile_lib.ProfileSpec.from_config(config),
-                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config))
+                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config, spec, num_devices))
 
 
 def _syncs(config) -> tuple[str, ...]:

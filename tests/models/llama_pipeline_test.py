@@ -17,6 +17,7 @@ import llama_reference as ref
 from semijax.core import layout as L
 from semijax.core import mesh as mesh_lib
 from semijax.core import pipeline
+from semijax.core import precision as precision_lib
 from semijax.models import llama
 from semijax.models import tasks
 
@@ -41,14 +42,14 @@ def batch(seed, batch_size):
   return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
 
-@pytest.mark.parametrize("schedule,data,stage_layers,microbatches,tie", [
-    ("1f1b", 2, (1, 3), (3, 1), False),
-    ("gpipe", 1, (3, 1), (2,), True),
-    ("1f1b", 1, (1, 1, 1, 1), (2,), True),
+@pytest.mark.parametrize("schedule,data,stage_layers,microbatches,tie,remat", [
+    ("1f1b", 2, (1, 3), (3, 1), False, "none"),
+    ("gpipe", 1, (3, 1), (2,), True, "full"),      # blocks rematerialized (core.remat)
+    ("1f1b", 1, (1, 1, 1, 1), (2,), True, "none"),
 ])
 def test_loss_and_gradients_match_the_dense_reference(schedule, data, stage_layers,
-                                                       microbatches, tie):
-  kw = dict(KW, tie_embeddings=tie)
+                                                       microbatches, tie, remat):
+  kw = dict(KW, tie_embeddings=tie, precision=precision_lib.Precision(remat_policy=remat))
   stages = len(stage_layers)
   mesh = mesh_lib.make_pipeline_mesh(data, stages, 2)
   eng = pipeline.PipelineEngine(lambda rngs: llama.Llama(rngs=rngs, **kw), tasks.language_model,

@@ -28,6 +28,7 @@ from semijax.core import layout as L
 from semijax.core import mesh as mesh_lib
 from semijax.core import migrate
 from semijax.core import offload
+from semijax.core import precision as precision_lib
 from semijax.core import resize as resize_lib
 from semijax.core import sharding
 from semijax.errors import ConfigError
@@ -108,18 +109,20 @@ def check(eng, layout, seed=0, **plan):
   return logits, got
 
 
-@pytest.mark.parametrize("seed,data,tensor,kv,drained,kernel", [
-    (1, 1, 8, 4, (), "auto"),        # 4 KV groups on 8 devices: four own no group
-    (2, 1, 8, 2, (5,), "auto"),      # device 5 owns nothing: it skips the head (core.repeated)
-    (3, 2, 4, 1, (), "auto"),        # multi-query attention, data x tensor
-    (4, 1, 8, 8, (), "auto"),        # multi-head attention (one query head per group)
-    (5, 1, 4, 2, (2,), "pallas"),    # the pallas width kernel (no branches)
+@pytest.mark.parametrize("seed,data,tensor,kv,drained,kernel,remat", [
+    (1, 1, 8, 4, (), "auto", "none"),        # 4 KV groups on 8 devices: four own no group
+    (2, 1, 8, 2, (5,), "auto", "full"),      # device 5 owns nothing: it skips the head
+    (3, 2, 4, 1, (), "auto", "none"),        # multi-query attention, data x tensor
+    (4, 1, 8, 8, (), "auto", "minimal"),     # multi-head attention (one query head per group)
+    (5, 1, 4, 2, (2,), "pallas", "none"),    # the pallas width kernel (no branches)
 ])
-def test_uneven_layouts_match_the_dense_reference(seed, data, tensor, kv, drained, kernel):
+def test_uneven_layouts_match_the_dense_reference(seed, data, tensor, kv, drained, kernel, remat):
+  """(`remat`: the blocks rematerialized, `core.remat`, must compute the same numbers.)"""
   layout = random_layout(seed, tensor, kv, drained)
   assert 0 in layout.heads.counts or kv >= tensor
   assert layout.drained() == tuple(drained)
-  eng = make_engine(data, tensor, kernel=kernel, num_kv_heads=kv)
+  eng = make_engine(data, tensor, kernel=kernel, num_kv_heads=kv,
+                    precision=precision_lib.Precision(remat_policy=remat))
   assert eng.num_units == {"mlp": KW["d_ff"], "heads": kv} and eng.unit_sizes["heads"] == 1
   check(eng, layout, seed=seed)
 

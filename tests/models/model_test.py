@@ -16,6 +16,7 @@ import dense_reference as ref
 import helpers as H
 from semijax.core import engine as engine_lib
 from semijax.core import layout as L
+from semijax.core import precision as precision_lib
 
 ATOL = 2e-5
 
@@ -54,6 +55,16 @@ def test_random_uneven_layout_matches_reference(model, seed, data, tensor):
     assert u.capacity > max(u.counts)
     assert tensor == 1 or 1 in u.counts
   check_against_reference(model, H.make_engine(model, data, tensor), layout, seed)
+
+
+@pytest.mark.parametrize("model,policy,kernel", [
+    ("gpt", "full", "switch"), ("gpt", "minimal", "auto"), ("vit", "full", "auto")])
+def test_rematerialized_blocks_match_the_reference(model, policy, kernel):
+  """`model.remat_policy` (`core.remat`) recomputes activations in the backward pass; the
+  values must not change, on an uneven layout."""
+  eng = H.make_engine(model, 2, 4, precision=precision_lib.Precision(remat_policy=policy),
+                      kernel=kernel)
+  check_against_reference(model, eng, H.random_layout(7, 4, model), seed=7)
 
 
 def slot_entries(u, unit_size):

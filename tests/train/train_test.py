@@ -64,13 +64,16 @@ def test_accumulated_steps_give_the_losses_of_whole_batch_steps(tmp_path):
 
 def test_restore_onto_another_layout_and_device_count(tmp_path, monkeypatch):
   # Layout A on 4 tensor devices, interrupted after the step-3 checkpoint; continue with layout B
-  # on 8 tensor devices. Losses match the run that never changed layout.
+  # on 8 tensor devices, its blocks rematerialized (a policy is not part of a checkpoint).
+  # Losses match the run that never changed layout.
   layout_a = dict(mlp=(10, 30, 4, 20), heads=(2, 3, 1, 2))
   layout_b = dict(mlp=(8, 8, 8, 1, 12, 9, 9, 9), heads=(1, 1, 1, 1, 1, 1, 1, 1))
   reference = train.train_and_evaluate(tiny_gpt(**layout_a), str(tmp_path / "ref"))
   workdir = str(tmp_path / "run")
   H.interrupted(monkeypatch, lambda: train.train_and_evaluate(tiny_gpt(**layout_a), workdir), 3)
-  moved = train.train_and_evaluate(tiny_gpt(tensor=8, **layout_b), workdir)
+  config = tiny_gpt(tensor=8, **layout_b)
+  config.model.remat_policy = "full"
+  moved = train.train_and_evaluate(config, workdir)
   assert moved["start_step"] == 3
   np.testing.assert_allclose(moved["losses"], reference["losses"][3:], rtol=2e-6, atol=2e-6)
   np.testing.assert_allclose(moved["val/loss"], reference["val/loss"], rtol=2e-6)
