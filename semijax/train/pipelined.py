@@ -34,6 +34,7 @@ from semijax.train import data as data_lib
 from semijax.train import executor as executor_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import pipeline_setup as setup_lib
+from semijax.train import prefetch as prefetch_lib
 from semijax.train import steps as steps_lib
 
 say = metrics_lib.say
@@ -84,9 +85,13 @@ class Pipelined:
     self.emulated = (setup_lib.emulated_step(setup) if setup.emulator is not None else None)
     self.state, self.extra = None, None
     self._eval_batches = None
+    self.batches: prefetch_lib.Batches = (prefetch_lib.Prefetch(self._batch) if run.run_ahead
+                                          else prefetch_lib.OnTheSpot(self._batch))
+    self._previous = None          # the metrics of the step dispatched last (on the devices)
+    self._one_behind = setup.engine.mesh.devices.flat[0].platform == "cpu"
 
   def close(self) -> None:
-    pass
+    self.batches.close()
 
   def init(self, seed: int) -> None:
     self.state = self.engine.init(seed, self.setup.layout)
@@ -131,14 +136,22 @@ class Pipelined:
     return f"{self.engine.compile_count} step programs compiled"
 
   def step(self, step: int) -> executor_lib.StepResult:
-    """Runs 0-based `step` and then the emulated devices' time."""
-    batch = self._batch(step)
+    """Runs 0-based `step` (its batch made while the step before ran, `prefetch.Prefetch`)
+    and then the emulated devices' time. Without an emulation the step runs ahead (dispatched,
+    not waited for: metrics on the devices, seconds None; the loop waits where it needs
+    them); on XLA:CPU at most two steps are in flight (see `tensor.TensorParallel.step`)."""
+    batch = self.batches.get(step)
     plan = self.setup.plan
     t0 = time.perf_counter()
     self.state, m = self.engine.train_step(self.state, batch, self.pplan)
-    m = {k: float(v) for k, v in jax.device_get(m).items()}      # waits for the step
     scalars = {"pipeline/predicted_s": plan.predicted_s,
                "pipeline/bubble": plan.breakdown["bubble"]}
+    if self.run.run_ahead and self.emulated is None:
+      if self._one_behind and self._previous is not None:
+        jax.block_until_ready(self._previous)
+      self._previous = m
+      return executor_lib.StepResult(m, None, scalars)
+    m = {k: float(v) for k, v in jax.device_get(m).items()}      # waits for the step
     if self.emulated is not None:
       emulation.Emulator.sleep(self.emulated["step_s"])
       scalars["pipeline/emulated_s"] = self.emulated["step_s"]

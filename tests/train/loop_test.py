@@ -22,6 +22,7 @@ from semijax.train import config as config_lib
 from semijax.train import loop as train
 from semijax.train import metrics
 from semijax.train import pipeline_setup
+from semijax.train import pipelined
 from semijax.train import replica_modes
 from semijax.train import tensor
 
@@ -188,27 +189,29 @@ def test_sigterm_saves_at_the_next_step_and_the_rerun_continues_exactly(tmp_path
   np.testing.assert_allclose(resumed["val/loss"], reference["val/loss"], rtol=1e-6)
 
 
-def ahead_steps(monkeypatch) -> list:
-  """Records, for each tensor-parallel step, whether the executor let it run ahead."""
-  original, ahead = tensor.TensorParallel.step, []
+def ahead_steps(monkeypatch, executor=tensor.TensorParallel) -> list:
+  """Records, for each step of `executor`, whether it let the step run ahead."""
+  original, ahead = executor.step, []
 
   def recording(self, step):
     result = original(self, step)
     ahead.append(result.seconds is None)
     return result
-  monkeypatch.setattr(tensor.TensorParallel, "step", recording)
+  monkeypatch.setattr(executor, "step", recording)
   return ahead
 
 
-def test_steps_between_records_run_ahead_to_the_same_losses(tmp_path, tmp_path_factory,
-                                                            monkeypatch):
-  reference = uninterrupted("tensor", tmp_path_factory)          # logs and evaluates each step
-  c = KINDS["tensor"].config()
+@pytest.mark.parametrize("kind,executor", [("tensor", tensor.TensorParallel),
+                                           ("pipelined", pipelined.Pipelined)])
+def test_steps_between_records_run_ahead_to_the_same_losses(kind, executor, tmp_path,
+                                                            tmp_path_factory, monkeypatch):
+  reference = uninterrupted(kind, tmp_path_factory)              # logs and evaluates each step
+  c = KINDS[kind].config()
   c.log_every, c.eval_every, c.checkpoint_every = 4, 6, 0
-  ahead = ahead_steps(monkeypatch)
+  ahead = ahead_steps(monkeypatch, executor)
   summary = train.train_and_evaluate(c, str(tmp_path))
-  # Static policy, no emulation: nothing makes the executor wait; the loop waits at step 4 (a
-  # record) and 6 (the last), each for the steps since its previous wait.
+  # A fixed layout or plan, no emulation: nothing makes the executor wait; the loop waits at
+  # step 4 (a record) and 6 (the last), each for the steps since its previous wait.
   assert ahead == [True] * 6
   assert summary["losses"] == reference["losses"]                # bit for bit, in order
   assert summary["val/loss"] == reference["val/loss"]
