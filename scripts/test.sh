@@ -20,7 +20,7 @@ bounded() {  # seconds, command...: SIGINT (pytest then writes its --last-failed
   timeout --signal=INT --kill-after=60 "$limit" "$@"
 }
 set +e
-bounded 1800 "$PY" -m pytest "${workers[@]}" "$@" 2>&1 | tee "$log"
+bounded 2400 "$PY" -m pytest "${workers[@]}" "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 if [ "$rc" -ne 0 ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] || grep -q "rendezvous.*Termination timeout for" "$log"; }; then
   echo "test.sh: XLA:CPU aborted in a collective's rendezvous or the run hung (exit $rc);" \
