@@ -43,10 +43,14 @@ class Precision:
 
   def validate(self, backend: str | None = None) -> "Precision":
     """Raises ConfigError naming the bad field; `backend` (jax.default_backend()), when given,
-    is checked against attention="cudnn"."""
+    is checked against dtype="float16" (not on CPU) and attention="cudnn" (CUDA only)."""
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ConfigError(f"config.model.{name}: {getattr(self, name)!r} is not one of {DTYPES}")
+    if self.dtype == "float16" and backend == "cpu":
+      raise ConfigError("config.model.dtype: 'float16' does not run on the CPU backend (XLA:CPU "
+                        "has no float16 GEMM accumulating into float32); use 'bfloat16' or "
+                        "'float32'")
     if self.attention not in ATTENTION:
       raise ConfigError(f"config.model.attention: {self.attention!r} is not one of {ATTENTION}")
     if self.remat_policy not in remat.POLICIES:

@@ -51,6 +51,8 @@ def refused(config, workdir, match):
     (lambda c: c.model.__setattr__("dtype", "bf16"),
      r"^config.model.dtype: 'bf16' is not one of \('float32', 'bfloat16', 'float16'\)"),
     (lambda c: c.model.__setattr__("param_dtype", "int8"), r"^config.model.param_dtype: 'int8'"),
+    (lambda c: c.model.__setattr__("dtype", "float16"),
+     r"^config.model.dtype: 'float16' does not run on the CPU backend"),
     (lambda c: c.model.__setattr__("attention", "flash"), r"^config.model.attention: 'flash'"),
     (lambda c: c.model.update(dtype="bfloat16", attention="cudnn"),
      r"^config.model.attention: 'cudnn' needs a CUDA GPU, but the backend is 'cpu'"),
