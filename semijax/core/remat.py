@@ -12,10 +12,11 @@ microbatches they outgrow the device. A policy trades compute for that memory, b
   elementwise work, not the projections.
 
 It changes neither the values (a rematerialized step computes the same numbers) nor what a
-checkpoint holds, so a run may resume under another policy. A pipelined step already keeps only
-each stage's input per microbatch and reruns the stage in its backward tick (`core.pipeline`), so
-the policy applies to unpipelined steps. The pallas width kernel rematerializes on GPUs and TPUs;
-off them it runs in Pallas's interpreter, whose callbacks `jax.checkpoint` cannot replay (`check`).
+checkpoint holds, so a run may resume under another policy. A pipelined step keeps only each
+stage's input per microbatch and reruns the stage's forward pass in its backward tick
+(`core.pipeline`); the policy says what that rerun keeps of each block. The pallas width kernel
+rematerializes on GPUs and TPUs; off them it runs in Pallas's interpreter, whose callbacks
+`jax.checkpoint` cannot replay (`check`).
 """
 
 from __future__ import annotations
