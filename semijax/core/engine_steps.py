@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from semijax.core import engine_state
+from semijax.core import loss_scale as loss_scale_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import plan as plan_lib
 from semijax.core import repeated
@@ -78,11 +79,13 @@ class StepFunctions:
   def _local_terms(self, params, batch, plan):
     return jax.lax.psum(self._model_terms(params, batch, plan), mesh_lib.DATA)
 
-  def _sharded(self, fn, out_specs, params, batch, plan):
+  def _sharded(self, fn, out_specs, params, batch, plan, *replicated):
+    """`fn(params, batch, plan, *replicated)` under `shard_map` (`replicated`: arrays every
+    device holds whole, e.g. the loss scale)."""
     in_specs = (sharding.specs(self.axes), jax.tree.map(lambda _: P(mesh_lib.DATA), batch),
-                plan_lib.plan_specs(plan))
+                plan_lib.plan_specs(plan), *(P() for _ in replicated))
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
-        params, batch, plan)
+        params, batch, plan, *replicated)
 
   def loss_terms_fn(self, params, batch, plan) -> dict:
     """Global {"loss_sum", "count", "correct"} of padded `params` on a sharded batch."""
@@ -144,16 +147,17 @@ class StepFunctions:
       return x.reshape((k, x.shape[0] // k) + x.shape[1:])
     return jax.tree.map(split, batch)
 
-  def _accumulate(self, params, batch, plan):
+  def _accumulate(self, params, batch, plan, scale=1.0):
     """Inside `shard_map`: sums over `accumulation` microbatches of this data shard's rows (a
-    `lax.scan`) of the gradient of the loss sum, and of the loss terms, both typed as varying
-    over `data` (the parameters enter so typed: a microbatch's gradient stays on its shard, and
-    the loop has no all-reduce over `data`). Sums in float32 at least."""
+    `lax.scan`) of the gradient of the loss sum times `scale` (`core.loss_scale`), and of the
+    loss terms, both typed as varying over `data` (the parameters enter so typed: a
+    microbatch's gradient stays on its shard, and the loop has no all-reduce over `data`). Sums
+    in float32 at least."""
     params = jax.tree.map(lambda x: mesh_lib.vary(x, (mesh_lib.DATA,)), params)
 
     def loss_sum(params, mb):                 # (the value to differentiate, every term)
       terms = self._model_terms(params, mb, plan)
-      return terms["loss_sum"], terms
+      return terms["loss_sum"] * scale, terms
 
     def add(acc, mb):
       (_, terms), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, mb)
@@ -167,25 +171,34 @@ class StepFunctions:
                                                   (mesh_lib.DATA,)), terms))
     return jax.lax.scan(add, zeros, micro)[0]
 
-  def _accumulated(self, params, batch, plan):
-    """Inside `shard_map`: the gradient of the global batch's mean loss and the global terms,
-    summed over `data` once, after the microbatches (`_accumulate`), and divided by the whole
-    batch's count (a mean of microbatch means would weigh unequal counts wrong)."""
-    grads, terms = jax.lax.psum(self._accumulate(params, batch, plan), mesh_lib.DATA)
+  def _accumulated(self, params, batch, plan, scale):
+    """Inside `shard_map`: the gradient of the global batch's mean loss (times `scale`) and the
+    global terms, summed over `data` once, after the microbatches (`_accumulate`), and divided
+    by the whole batch's count (a mean of microbatch means would weigh unequal counts wrong)."""
+    grads, terms = jax.lax.psum(self._accumulate(params, batch, plan, scale), mesh_lib.DATA)
     return _mean(grads, terms, params), terms
 
-  def grads_and_terms(self, params, batch, plan):
+  def grads_and_terms(self, params, batch, plan, scale=None):
     """(gradients of the mean loss over the global batch, its summed terms): in one pass, or
-    over `accumulation` microbatches (`_accumulated`)."""
+    over `accumulation` microbatches (`_accumulated`). `scale` (float32 [], `core.loss_scale`)
+    multiplies the loss the gradients are taken of, so they come back multiplied by it."""
     if self.accumulation == 1:
-      (_, terms), grads = jax.value_and_grad(self.loss, has_aux=True)(params, batch, plan)
+      def scaled(params):
+        loss, terms = self.loss(params, batch, plan)
+        return loss if scale is None else loss * scale, terms
+      (_, terms), grads = jax.value_and_grad(scaled, has_aux=True)(params)
       return grads, terms
-    return self._sharded(self._accumulated, (sharding.specs(self.axes), P()), params, batch, plan)
+    scale = jnp.ones((), jnp.float32) if scale is None else scale
+    return self._sharded(self._accumulated, (sharding.specs(self.axes), P()), params, batch, plan,
+                         scale)
 
   def train_step(self, state: engine_state.TrainState, batch, plan):
     """The pure train step: (padded state, sharded batch, plan) -> (new state, metrics)."""
     self.trace_count += 1
-    grads, terms = self.grads_and_terms(state.params, batch, plan)
+    scale = loss_scale_lib.scale_of(state.opt_state)
+    grads, terms = self.grads_and_terms(state.params, batch, plan, scale)
+    if scale is not None:      # back to the loss's own gradients, before anything reads them
+      grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
     loss = terms["loss_sum"] / terms["count"]
     if plan.resize is not None:
       masks = resize_lib.skip_masks(plan.resize, plan.active, self.axes, self.unit_sizes)
@@ -199,6 +212,8 @@ class StepFunctions:
       opt_state = resize_lib.freeze(plan.resize, opt_masks, opt_state, state.opt_state)
     metrics = {"loss": loss, "accuracy": terms["correct"] / terms["count"],
                "grad_norm": optax.tree.norm(grads)}
+    if scale is not None:
+      metrics["loss_scale"] = scale
     return engine_state.TrainState(params, opt_state), metrics
 
   def eval_step(self, params, batch, plan):

@@ -58,6 +58,19 @@ def check_sync_mode(meta: dict, mode: str, step: int, directory: str) -> None:
         "another --workdir")
 
 
+def check_loss_scale(meta: dict, setting: str, step: int, directory: str) -> None:
+  """Raises ConfigError when the checkpoint was saved under another resolved
+  `config.optimizer.loss_scale` ("none" where it records none): the optimizer state holds the
+  scale under "dynamic" only, so the two states do not match."""
+  saved = meta.get("loss_scale", "none")
+  if saved != setting:
+    raise ConfigError(
+        f"config.optimizer.loss_scale: the checkpoint at step {step} in {directory} was saved "
+        f"with loss scaling {saved!r}, this run has {setting!r} (under 'auto', model.dtype "
+        "float16 scales and the others do not); set optimizer.loss_scale to match or use "
+        "another --workdir")
+
+
 CHECKSUMS = "semijax_checksums.json"
 
 

@@ -199,6 +199,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.schedule_steps = 0   # Steps of the learning-rate schedule; 0 = steps (longer runs
                                    # go on at the final rate).
   c.optimizer.mu_dtype = ""        # Adam's first moment: "" = the parameters' dtype, or bfloat16.
+  c.optimizer.loss_scale = "auto"  # auto | none | dynamic (auto: dynamic where model.dtype is
+                                   # float16; core.loss_scale).
+  c.optimizer.loss_scale_init = 2.0 ** 15   # The first loss scale (a power of two).
+  c.optimizer.loss_scale_period = 2000      # Finite steps in a row before the scale doubles.
 
   # name + the fields of models.REGISTRY[name].FIELDS, and the precision (core.precision):
   c.model = ml_collections.ConfigDict()
@@ -489,15 +493,16 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   resize = _resize(config.resize, mesh.tensor)
   balance = _balance(config, hetero, resize,
                      None if num_devices is None else jax.default_backend())
-  optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer)
   data = data_lib.DataSpec.from_config(config)
   sync = _sync(config, mesh, balance, resize, num_devices, process_count)
+  optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer).resolved(
+      spec.precision.dtype, None if sync.mode == "sync" else
+      f"sync.mode {sync.mode!r} combines replicas' gradients that are not scaled")
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
                    sync=sync, profile=profile_lib.ProfileSpec.from_config(config),
-                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config, spec, num_devices),
-                   accumulation=accumulation)
+                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config, spec, num_devices), accumulation=accumulation)
 
 
 PIPELINE_POLICIES = ("even", "static")
@@ -590,7 +595,8 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
   pipeline = PipelineSpec(schedule, micro, layers, capacity, units["mlp"], units["heads"],
                           _int(config.layout.num_widths, "layout.num_widths"), plan, sizes,
                           schedules, devices, float(memory), syncs)
-  optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer)
+  optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer).resolved(
+      spec.precision.dtype, "a pipelined step does not scale its loss")
   layout = layout_lib.Layout.for_model(d_model=spec.d_model,
                                        num_heads=spec.num_units()["heads"], d_ff=spec.d_ff,
                                        num_devices=1)

@@ -8,9 +8,13 @@ import math
 import jax
 import optax
 
+from semijax.core import loss_scale
 from semijax.core import pipeline
 from semijax.core import precision
 from semijax.errors import ConfigError
+
+
+LOSS_SCALES = ("auto", "none", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +31,9 @@ class OptimizerSpec:
       than its schedule trains on at the final rate (a study that trains past a sample budget
       to see when a loss is reached, with the schedule of the budget).
     mu_dtype: dtype of Adam's first moment; "" = the parameters' (`config.model.param_dtype`).
+    loss_scale: "dynamic" (`core.loss_scale`), "none" or "auto" (dynamic where the model
+      computes in float16; `resolved` decides); loss_scale_init: its first scale;
+      loss_scale_period: finite steps in a row after which it doubles.
   """
 
   learning_rate: float = 3e-3
@@ -37,12 +44,16 @@ class OptimizerSpec:
   grad_clip: float = 1.0
   schedule_steps: int = 0
   mu_dtype: str = ""
+  loss_scale: str = "auto"
+  loss_scale_init: float = 2.0 ** 15
+  loss_scale_period: int = 2000
 
   @classmethod
   def from_config(cls, o) -> "OptimizerSpec":
     """The validated spec of `config.optimizer`."""
     return cls(o.learning_rate, o.warmup_steps, o.weight_decay, o.b1, o.b2, o.grad_clip,
-               o.schedule_steps, o.mu_dtype).validate()
+               o.schedule_steps, o.mu_dtype, o.loss_scale, o.loss_scale_init,
+               o.loss_scale_period).validate()
 
   def validate(self) -> "OptimizerSpec":
     f = "config.optimizer"
@@ -65,7 +76,32 @@ class OptimizerSpec:
     if self.mu_dtype not in precision.MU_DTYPES:
       raise ConfigError(f"{f}.mu_dtype: {self.mu_dtype!r} is not '' (the parameters' dtype) or "
                         f"one of {precision.DTYPES}")
+    if self.loss_scale not in LOSS_SCALES:
+      raise ConfigError(f"{f}.loss_scale: {self.loss_scale!r} is not one of {LOSS_SCALES}")
+    init = self.loss_scale_init
+    if not (number(init) and init >= 1 and math.log2(init).is_integer()):
+      raise ConfigError(f"{f}.loss_scale_init: must be a power of two >= 1 (so that scaling is "
+                        f"exact), got {init!r}")
+    period = self.loss_scale_period
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+      raise ConfigError(f"{f}.loss_scale_period: must be an integer >= 1, got {period!r}")
     return self
+
+  def resolved(self, dtype: str, refusal: str | None) -> "OptimizerSpec":
+    """This spec with `loss_scale` "auto" decided: "dynamic" where the compute `dtype` is
+    float16, else "none". `refusal`: why this run's step cannot scale its loss (None: it
+    can); a run that cannot refuses "dynamic", and "auto" then means "none".
+
+    Raises:
+      ConfigError: loss_scale "dynamic" where the run cannot scale its loss.
+    """
+    if self.loss_scale == "dynamic" and refusal is not None:
+      raise ConfigError(f"config.optimizer.loss_scale: 'dynamic' is for tensor-parallel runs "
+                        f"in sync mode; {refusal}")
+    if self.loss_scale != "auto":
+      return self
+    want = dtype == "float16" and refusal is None
+    return dataclasses.replace(self, loss_scale="dynamic" if want else "none")
 
 
 def schedule_length(spec: OptimizerSpec, steps: int) -> int:
@@ -89,11 +125,14 @@ def _stacked(path) -> int:
 def make(spec: OptimizerSpec, steps: int) -> optax.GradientTransformation:
   """AdamW with linear warmup and cosine decay over `steps`; weight decay on matrices only
   (per layer: a pipelined stack's [layers, d] bias is not a matrix);
-  optional global-norm clip."""
+  optional global-norm clip; dynamic loss scaling around it all where `spec.loss_scale` says
+  (resolved: not "auto")."""
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, x: x.ndim - _stacked(path) >= 2, params)
   tx = optax.adamw(learning_rate_schedule(spec, steps), b1=spec.b1, b2=spec.b2,
                    weight_decay=spec.weight_decay, mask=decay_mask, mu_dtype=spec.mu_dtype or None)
   if spec.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(spec.grad_clip), tx)
+  if spec.loss_scale == "dynamic":
+    tx = loss_scale.dynamic(tx, spec.loss_scale_init, spec.loss_scale_period)
   return tx

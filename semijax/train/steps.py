@@ -65,9 +65,11 @@ def stop_if_not_finite(loss: float, step: int, writer, ckpt) -> None:
 
 def scalars(metrics: dict, learning_rate: float, seconds: float, unit: str, items: float
             ) -> dict:
-  """The scalars of one train step (`metrics`: the step's loss, accuracy, grad_norm; one it
-  did not measure missing or None) that trained `items` tokens or images."""
-  out = {f"train/{k}": float(metrics[k]) for k in ("loss", "accuracy", "grad_norm")
+  """The scalars of one train step (`metrics`: the step's loss, accuracy, grad_norm and, under
+  dynamic loss scaling, loss_scale; one it did not measure missing or None) that trained
+  `items` tokens or images."""
+  out = {f"train/{k}": float(metrics[k]) for k in ("loss", "accuracy", "grad_norm",
+                                                   "loss_scale")
          if metrics.get(k) is not None}
   out.update({"train/learning_rate": float(learning_rate), "train/step_time_s": seconds,
               f"train/{unit}_per_s": items / seconds})

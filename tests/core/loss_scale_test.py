@@ -1,0 +1,137 @@
+"""Dynamic loss scaling (`core.loss_scale`, `config.optimizer.loss_scale`). The CPU backend has
+no float16 GEMMs, so these run in float32, where a power-of-two scale is exact: a scaled step
+must equal the unscaled one bit for bit, and an overflowing scale must skip its step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import helpers as H
+from semijax.core import loss_scale
+from semijax.errors import ConfigError
+from semijax.train import config as config_lib
+from semijax.train import loop as train
+from semijax.train import metrics
+
+
+def test_a_step_with_a_gradient_that_is_not_finite_changes_nothing_and_halves_the_scale():
+  tx = loss_scale.dynamic(optax.adam(0.1), initial=8.0, period=2)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  good = {"w": jnp.full(3, 0.5)}
+  want, _ = optax.adam(0.1).update(good, optax.adam(0.1).init(params), params)
+  updates, state = tx.update(good, state, params)
+  np.testing.assert_array_equal(updates["w"], want["w"])
+  assert (float(state.scale), int(state.good_steps)) == (8.0, 1)
+  _, state = tx.update(good, state, params)                 # the second finite step in a row
+  assert (float(state.scale), int(state.good_steps)) == (16.0, 0)
+  before = state.inner
+  updates, state = tx.update({"w": jnp.array([1.0, jnp.inf, 1.0])}, state, params)
+  assert not np.any(np.asarray(updates["w"]))
+  assert (float(state.scale), int(state.good_steps)) == (8.0, 0)
+  jax.tree.map(np.testing.assert_array_equal, state.inner, before)   # Adam's count and moments
+  floor = loss_scale.dynamic(optax.sgd(0.1), initial=1.0)
+  _, low = floor.update({"w": jnp.full(3, jnp.nan)}, floor.init(params), params)
+  assert float(low.scale) == loss_scale.MINIMUM
+  assert loss_scale.scale_of(state) is state.scale and loss_scale.scale_of(before) is None
+
+
+def _engines(accumulation, initial):
+  """(plain engine, engine whose AdamW is wrapped in dynamic loss scaling) on a 2x4 mesh."""
+  adamw = optax.adamw(3e-3, weight_decay=0.1)
+  return [H.make_engine("gpt", data=2, tensor=4, tx=tx, accumulation=accumulation)
+          for tx in (adamw, loss_scale.dynamic(adamw, initial=initial, period=2))]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_scaled_step_equals_the_unscaled_one_bit_for_bit(accumulation):
+  plain, scaled = _engines(accumulation, 2.0 ** 12)
+  layout = H.random_layout(5, 4)
+  states = [e.to_padded(e.init_logical(0), layout) for e in (plain, scaled)]
+  jax.tree.map(np.testing.assert_array_equal, states[0].params, states[1].params)
+  plan = plain.plan(layout)
+  scales = []
+  for step in range(4):
+    batch = plain.shard_batch(H.make_batch("gpt", seed=30 + step, batch_size=8))
+    states[0], m0 = plain.train_step(states[0], batch, plan)
+    states[1], m1 = scaled.train_step(states[1], batch, plan)
+    assert float(m1["loss"]) == float(m0["loss"]) and float(m1["grad_norm"]) == float(
+        m0["grad_norm"])
+    scales.append(float(m1["loss_scale"]))
+  jax.tree.map(np.testing.assert_array_equal, states[1].params, states[0].params)
+  assert scales == [2.0 ** 12, 2.0 ** 12, 2.0 ** 13, 2.0 ** 13]     # doubles every 2 steps
+
+
+def test_an_overflowing_scale_skips_steps_until_it_fits():
+  """float32 overflows at 2^128: a loss of about 4 times 2^127 is infinite, so the first steps
+  are skipped (the parameters stay bit for bit), the scale halving each time; the first step
+  that fits is the unscaled engine's first step."""
+  plain, scaled = _engines(1, 2.0 ** 127)
+  layout = H.random_layout(6, 4)
+  plan = plain.plan(layout)
+  start = scaled.to_padded(scaled.init_logical(0), layout)
+  first = jax.tree.map(np.asarray, start.params)
+  batch = plain.shard_batch(H.make_batch("gpt", seed=3, batch_size=8))
+  want, _ = plain.train_step(plain.to_padded(plain.init_logical(0), layout), batch, plan)
+  state, scales = start, []
+  for _ in range(8):
+    before = jax.tree.map(np.asarray, state.params)
+    state, m = scaled.train_step(state, batch, plan)
+    scales.append(float(m["loss_scale"]))
+    if float(loss_scale.scale_of(state.opt_state)) >= scales[-1]:    # applied: did not halve
+      break
+    jax.tree.map(np.testing.assert_array_equal, state.params, before)
+  skipped = len(scales) - 1
+  assert 1 <= skipped < 8 and scales == [2.0 ** (127 - i) for i in range(len(scales))]
+  jax.tree.map(np.testing.assert_array_equal, before, first)
+  jax.tree.map(np.testing.assert_array_equal, state.params, want.params)
+
+
+def _validated(**edits):
+  config = H.tiny_gpt(steps=4)
+  for path, value in edits.items():
+    section, _, name = path.rpartition(".")
+    setattr(config[section] if section else config, name, value)
+  return config_lib.validate(config, None, 1)
+
+
+def test_auto_scales_float16_only_and_other_runs_refuse_dynamic():
+  assert _validated(**{"model.dtype": "float16"}).optimizer.loss_scale == "dynamic"
+  assert _validated(**{"model.dtype": "bfloat16"}).optimizer.loss_scale == "none"
+  assert _validated(**{"optimizer.loss_scale": "dynamic"}).optimizer.loss_scale == "dynamic"
+  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: 'dynamic' is for "
+                     r"tensor-parallel runs in sync mode; a pipelined step"):
+    _validated(**{"optimizer.loss_scale": "dynamic", "mesh.pipe": 2, "mesh.tensor": 2,
+                  "model.num_layers": 2})
+  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: 'dynamic' .* sync.mode "
+                     r"'ssaw'"):
+    _validated(**{"optimizer.loss_scale": "dynamic", "mesh.data": 2, "sync.mode": "ssaw"})
+  assert _validated(**{"model.dtype": "float16", "mesh.data": 2,
+                       "sync.mode": "ssaw"}).optimizer.loss_scale == "none"
+  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale_init: must be a power "
+                     r"of two >= 1"):
+    _validated(**{"optimizer.loss_scale_init": 1000.0})
+  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: 'static' is not one of"):
+    _validated(**{"optimizer.loss_scale": "static"})
+
+
+def test_a_scaled_run_resumes_its_scale_and_trains_like_the_unscaled_one(tmp_path, monkeypatch):
+  reference = train.train_and_evaluate(H.tiny_gpt(steps=6), str(tmp_path / "plain"))
+  config = H.tiny_gpt(steps=6)
+  config.optimizer.loss_scale, config.optimizer.loss_scale_period = "dynamic", 2
+  config.checkpoint_every, config.log_every = 3, 1
+  workdir = str(tmp_path / "scaled")
+  H.interrupted(monkeypatch, lambda: train.train_and_evaluate(config, workdir), 3)
+  resumed = train.train_and_evaluate(config, workdir)
+  assert resumed["start_step"] == 3
+  # (Not bit for bit: the gradient clip's norm of the divided gradients fuses differently.)
+  np.testing.assert_allclose(resumed["losses"], reference["losses"][3:], rtol=1e-6)
+  s = 2.0 ** 15
+  assert [r["train/loss_scale"] for r in metrics.read_jsonl(f"{workdir}/metrics.jsonl")] == [
+      s, s, 2 * s, 2 * s, 4 * s, 4 * s]       # the checkpoint at step 3 held 2s and its count
+  config.steps, config.optimizer.loss_scale = 8, "none"       # resume it without scaling
+  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: the checkpoint at step 6 "
+                     r".* was saved with loss scaling 'dynamic', this run has 'none'"):
+    train.train_and_evaluate(config, workdir)
