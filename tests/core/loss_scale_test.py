@@ -135,3 +135,20 @@ def test_a_scaled_run_resumes_its_scale_and_trains_like_the_unscaled_one(tmp_pat
   with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: the checkpoint at step 6 "
                      r".* was saved with loss scaling 'dynamic', this run has 'none'"):
     train.train_and_evaluate(config, workdir)
+
+
+def test_a_migration_carries_the_scale_and_loses_nothing(tmp_path):
+  """The scale and its count are optimizer state without a unit axis: a migration (device 0
+  4x slower) moves the moments around them and the run still trains like the even one."""
+  runs = {}
+  for policy, scaling in (("even", "none"), ("migrate", "dynamic")):
+    c = H.tiny_gpt(tensor=4, steps=8)
+    c.hetero.slowdown, c.balance.policy = (4.0, 1.0, 1.0, 1.0), policy
+    c.balance.patience = c.balance.min_dwell_steps = 1
+    c.balance.num_widths = 8
+    c.optimizer.loss_scale, c.optimizer.loss_scale_period = scaling, 3
+    runs[policy] = train.train_and_evaluate(c, str(tmp_path / policy))
+  assert runs["migrate"]["balance"]["migrations"] >= 1
+  np.testing.assert_allclose(runs["migrate"]["losses"], runs["even"]["losses"], rtol=1e-5)
+  scales = [r["train/loss_scale"] for r in metrics.read_jsonl(f"{tmp_path}/migrate/metrics.jsonl")]
+  assert scales == [2.0 ** (15 + step // 3) for step in range(8)]
