@@ -45,9 +45,8 @@ def dynamic(inner: optax.GradientTransformation, initial: float = 2.0 ** 15,
   def update(grads, state: LossScaleState, params=None):
     finite = all_finite(grads)
     updates, inner_state = inner.update(grads, state.inner, params)
-    updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
-    inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner_state,
-                               state.inner)
+    updates = optax.tree.where(finite, updates, optax.tree.zeros_like(updates))
+    inner_state = optax.tree.where(finite, inner_state, state.inner)
     grow = state.good_steps + 1 >= period
     scale = jnp.where(finite, jnp.where(grow, state.scale * FACTOR, state.scale),
                       jnp.maximum(state.scale / FACTOR, MINIMUM))

@@ -24,8 +24,6 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from semijax.core import width_gemm
-
 POLICIES = ("none", "full", "minimal")
 
 _SAVEABLE = {"full": None,    # jax.checkpoint's default: nothing inside is saved
@@ -51,8 +49,8 @@ def check(policy: str, kernel: str, backend: str | None = None) -> None:
   if policy not in POLICIES:
     raise ValueError(f"model.remat_policy: {policy!r} is not one of {POLICIES}")
   backend = backend or jax.default_backend()
-  if policy != "none" and width_gemm.resolve(kernel, backend) == "pallas" and (
-      backend not in ("gpu", "tpu")):
+  # ("auto" picks pallas on GPUs and TPUs only, so only an explicit "pallas" gets here.)
+  if policy != "none" and kernel == "pallas" and backend not in ("gpu", "tpu"):
     raise ValueError(f"model.remat_policy: {policy!r} with layout.kernel 'pallas' needs a GPU or "
-                     f"TPU (on {backend!r} the kernel runs in Pallas's interpreter, which cannot be "
-                     "rematerialized); use layout.kernel 'switch' or remat_policy 'none'")
+                     f"TPU (on {backend!r} the kernel runs in Pallas's interpreter, which cannot "
+                     "be rematerialized); use layout.kernel 'switch' or remat_policy 'none'")

@@ -502,7 +502,8 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
                    sync=sync, profile=profile_lib.ProfileSpec.from_config(config),
-                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config, spec, num_devices), accumulation=accumulation)
+                   run_ahead=_bool(config.run_ahead, "run_ahead"),
+                   kernel=_kernel(config, spec, num_devices), accumulation=accumulation)
 
 
 PIPELINE_POLICIES = ("even", "static")
@@ -617,7 +618,8 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                    spec, layout, hetero, resize, balance, optimizer,
                    data_lib.DataSpec.from_config(config), config.to_dict(), sync=sync,
                    pipeline=pipeline, profile=profile_lib.ProfileSpec.from_config(config),
-                   run_ahead=_bool(config.run_ahead, "run_ahead"), kernel=_kernel(config, spec, num_devices))
+                   run_ahead=_bool(config.run_ahead, "run_ahead"),
+                   kernel=_kernel(config, spec, num_devices))
 
 
 def _syncs(config) -> tuple[str, ...]:
