@@ -198,7 +198,7 @@ class StepFunctions:
     scale = loss_scale_lib.scale_of(state.opt_state)
     grads, terms = self.grads_and_terms(state.params, batch, plan, scale)
     if scale is not None:      # back to the loss's own gradients, before anything reads them
-      grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
+      grads = loss_scale_lib.unscaled(grads, scale)
     loss = terms["loss_sum"] / terms["count"]
     if plan.resize is not None:
       masks = resize_lib.skip_masks(plan.resize, plan.active, self.axes, self.unit_sizes)

@@ -62,6 +62,12 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+def unscaled(grads, scale: jax.Array):
+  """grads (of the loss times `scale`) divided by it, each in its own dtype: exact for a power
+  of two."""
+  return jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
+
+
 def scale_of(opt_state) -> jax.Array | None:
   """The current loss scale (float32 []) of an optimizer state `dynamic` made, else None."""
   return opt_state.scale if isinstance(opt_state, LossScaleState) else None

@@ -13,6 +13,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from semijax.core import loss_scale
 from semijax.core import mesh as mesh_lib
 from semijax.core import pipeline_step
 from semijax.core import sharding
@@ -41,13 +42,17 @@ class PipePrograms:
     self._compiled: dict = {}
     self.compile_count = 0
 
-  def _sharded(self, fn, out_specs, params, batch, pplan, param_specs=None):
+  def _sharded(self, fn, out_specs, params, batch, pplan, scale=None, param_specs=None):
+    """`fn(params, batch, pplan[, scale])` under shard_map; `scale` (a loss scale, float32 [])
+    is passed replicated where given."""
     plan_specs = PipePlan({k: P(PIPE, TENSOR) for k in pplan.active}, P(PIPE), P(DATA),
                           pplan.widths)
     param_specs = sharding.specs(self.axes) if param_specs is None else param_specs
     in_specs = (param_specs, jax.tree.map(lambda _: P(DATA), batch), plan_specs)
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
-        params, batch, pplan)
+    args = (params, batch, pplan)
+    if scale is not None:
+      in_specs, args = in_specs + (P(),), args + (scale,)
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 
   def replica_grads_and_terms(self, stacked_params, batch, pplan):
     """Each data-parallel pipeline's own gradients, on its own parameters: stacked_params
@@ -58,18 +63,24 @@ class PipePrograms:
     return self._sharded(functools.partial(self.step.local, train=True, per_replica=True),
                          (stacked, P(DATA)), stacked_params, batch, pplan, param_specs=stacked)
 
-  def grads_and_terms(self, params, batch, pplan):
-    """(gradients like `params`, summed loss terms) of one step's global batch."""
+  def grads_and_terms(self, params, batch, pplan, scale=None):
+    """(gradients like `params`, summed loss terms) of one step's global batch; the gradients
+    of the mean loss times `scale` (float32 [], `core.loss_scale`) where given."""
     specs = sharding.specs(self.axes)
     return self._sharded(functools.partial(self.step.local, train=True), (specs, P()), params,
-                         batch, pplan)
+                         batch, pplan, scale)
 
   def _train_step(self, state: TrainState, batch, pplan):
-    grads, terms = self.grads_and_terms(state.params, batch, pplan)
+    scale = loss_scale.scale_of(state.opt_state)
+    grads, terms = self.grads_and_terms(state.params, batch, pplan, scale)
+    if scale is not None:      # back to the loss's own gradients, before anything reads them
+      grads = loss_scale.unscaled(grads, scale)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": terms["loss_sum"] / terms["count"],
                "accuracy": terms["correct"] / terms["count"], "grad_norm": optax.tree.norm(grads)}
+    if scale is not None:
+      metrics["loss_scale"] = scale
     return TrainState(params, opt_state), metrics
 
   def _eval_terms(self, params, batch, pplan):

@@ -58,9 +58,11 @@ class PipeStep:
     x, _ = jax.lax.scan(body, x, (stack, slots))
     return x
 
-  def local(self, params, batch, pplan, *, train: bool, per_replica: bool = False):
+  def local(self, params, batch, pplan, scale=None, *, train: bool, per_replica: bool = False):
     """The per-device body (inside shard_map): the tick loop (see module doc).
 
+    scale: float32 [] (replicated), the loss scale (`core.loss_scale`) the backward pass seeds
+    the loss with, so that the gradients come back times it; None: 1.
     per_replica: `params` are stacked [1, *local] (this data replica's own copy), the loss is
     normalized by this pipeline's own tokens and nothing is summed over `data`: gradients come
     back [1, *local] and terms [1] (`replica_grads_and_terms`)."""
@@ -127,7 +129,8 @@ class PipeStep:
           mb = pick(b)
           x_b = c["stash"][jnp.maximum(b, 0) % slots]
           (_, terms), vjp = jax.vjp(lambda sh, st, x: g(sh, st, x, mb), shared, stack, x_b)
-          seed = jnp.where(is_last, 1.0 / total, 0.0).astype(jnp.float32)
+          seed = jnp.where(is_last, (1.0 if scale is None else scale) / total,
+                           0.0).astype(jnp.float32)
           cot_terms = {k: jnp.zeros_like(v) for k, v in terms.items()}
           cot_terms["loss_sum"] = cot_terms["loss_sum"] + seed
           cot_h = jnp.where(is_last, jnp.zeros_like(c["g"]), c["g"])

@@ -596,8 +596,6 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
   pipeline = PipelineSpec(schedule, micro, layers, capacity, units["mlp"], units["heads"],
                           _int(config.layout.num_widths, "layout.num_widths"), plan, sizes,
                           schedules, devices, float(memory), syncs)
-  optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer).resolved(
-      spec.precision.dtype, "a pipelined step does not scale its loss")
   layout = layout_lib.Layout.for_model(d_model=spec.d_model,
                                        num_heads=spec.num_units()["heads"], d_ff=spec.d_ff,
                                        num_devices=1)
@@ -611,8 +609,12 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
   if process_count > 1 and (set(syncs) | {sync.mode}) != {"sync"}:
     raise ConfigError(f"config.sync.mode: pipelined runs over {process_count} processes combine "
                       f"their pipelines synchronously ('sync'); the replica modes "
-                      f"{sorted(set(syncs) | {sync.mode} - {'sync'})} run pipelines in one "
+                      f"{sorted((set(syncs) | {sync.mode}) - {'sync'})} run pipelines in one "
                       "process")
+  replica_modes = sorted((set(syncs) | {sync.mode}) - {"sync"})
+  optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer).resolved(
+      spec.precision.dtype, f"sync modes {replica_modes} combine replicas' gradients that are "
+      "not scaled" if replica_modes else None)
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer,

@@ -96,8 +96,8 @@ class OptimizerSpec:
       ConfigError: loss_scale "dynamic" where the run cannot scale its loss.
     """
     if self.loss_scale == "dynamic" and refusal is not None:
-      raise ConfigError(f"config.optimizer.loss_scale: 'dynamic' is for tensor-parallel runs "
-                        f"in sync mode; {refusal}")
+      raise ConfigError(f"config.optimizer.loss_scale: 'dynamic' is for runs in sync "
+                        f"mode; {refusal}")
     if self.loss_scale != "auto":
       return self
     want = dtype == "float16" and refusal is None

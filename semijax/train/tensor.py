@@ -126,7 +126,6 @@ class TensorParallel:
           f"pipelined run on {meta['pipe']} stages; it restores onto a pipelined run with as "
           "many stages (use another --workdir)")
     checkpoint_lib.check_sync_mode(meta, self.run.sync.mode, step, ckpt.directory)
-    checkpoint_lib.check_loss_scale(meta, self.run.optimizer.loss_scale, step, ckpt.directory)
     engine, layout = self.engine, self.balancer.layout
     abstract = engine.abstract_logical()
     logical, meta = ckpt.restore(abstract, step)
@@ -216,9 +215,8 @@ class TensorParallel:
     snapshot = balancer.snapshot
     if snapshot is not None:
       snapshot = engine.to_logical(snapshot, layout, donate=True)
-    ckpt.save(step, logical, dict(meta, layout=layout.to_json(),
-                                  loss_scale=self.run.optimizer.loss_scale),
-              balancer.state_dict(), snapshot)
+    ckpt.save(step, logical, dict(meta, layout=layout.to_json()), balancer.state_dict(),
+              snapshot)
     if snapshot is not None:
       balancer.snapshot = engine.to_padded(snapshot, layout, donate=True)
     self.state = engine.to_padded(logical, layout, donate=True)

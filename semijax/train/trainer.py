@@ -120,6 +120,7 @@ class Trainer:
       raise ConfigError(
           f"config.model: the checkpoint at step {step} in {ckpt.directory} was trained with "
           f"model {meta.get('model')}, not {run.model.to_dict()}; use another --workdir")
+    checkpoint_lib.check_loss_scale(meta, run.optimizer.loss_scale, step, ckpt.directory)
     start, saved_with = self.executor.restore(ckpt, step, meta)
     say(f"resumed from step {step} ({ckpt.directory}/{step}, saved with {saved_with}), "
         f"continuing to step {run.steps}")
@@ -184,7 +185,8 @@ class Trainer:
       self._record(step, result, scalars, applied, last)
       if save_as is not None:
         executor.save(self.ckpt, save_as, {"data_position": step, "samples": applied,
-                                           "model": run.model.to_dict()})
+                                           "model": run.model.to_dict(),
+                                           "loss_scale": run.optimizer.loss_scale})
       for hook in self.hooks:
         hook(step, scalars)
       if preempted:

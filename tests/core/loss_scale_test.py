@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import helpers as H
+import pipeline_test
 from semijax.core import loss_scale
 from semijax.errors import ConfigError
 from semijax.train import config as config_lib
@@ -89,6 +90,58 @@ def test_an_overflowing_scale_skips_steps_until_it_fits():
   jax.tree.map(np.testing.assert_array_equal, state.params, want.params)
 
 
+@pytest.mark.parametrize("schedule,stage_layers,microbatches", [
+    ("1f1b", (1, 3), (3, 1)), ("gpipe", (2, 2), (2, 2))])
+def test_a_scaled_pipelined_step_equals_the_unscaled_one_bit_for_bit(schedule, stage_layers,
+                                                                   microbatches):
+  """The last stage seeds its backward pass with the scale over the tokens: every stage's
+  gradients come back times it, and divided they are the unscaled step's."""
+  adamw = optax.adamw(3e-3, weight_decay=0.1)
+  engines = [pipeline_test.make(2, 2, schedule, max(microbatches), tx=tx)
+             for tx in (adamw, loss_scale.dynamic(adamw, initial=2.0 ** 12, period=2))]
+  layout = pipeline_test.stage_layout(stage_layers)
+  states = [e.to_padded(e.init_logical(0), layout) for e in engines]
+  pplan = engines[0].plan(layout, microbatches)
+  scales = []
+  for step in range(3):
+    batch = engines[0].arrange_batch(H.make_batch("gpt", step, batch_size=8), microbatches)
+    (states[0], m0), (states[1], m1) = (e.train_step(s, batch, pplan)
+                                        for e, s in zip(engines, states))
+    assert float(m1["loss"]) == float(m0["loss"]) and float(m1["grad_norm"]) == float(
+        m0["grad_norm"])
+    scales.append(float(m1["loss_scale"]))
+  jax.tree.map(np.testing.assert_array_equal, states[1].params, states[0].params)
+  assert scales == [2.0 ** 12, 2.0 ** 12, 2.0 ** 13] and "loss_scale" not in m0
+
+
+def test_an_overflowing_pipelined_step_applies_nothing_until_the_scale_fits():
+  """One weighted token: its gradients' norm is 25, so a scale of 2^127 overflows them. The
+  skipped steps leave the parameters bit for bit; the first that fits is the unscaled step."""
+  adamw = optax.adamw(3e-3, weight_decay=0.1)
+  plain, scaled = (pipeline_test.make(2, 2, "1f1b", 2, tx=tx)
+                   for tx in (adamw, loss_scale.dynamic(adamw, initial=2.0 ** 127)))
+  layout = pipeline_test.stage_layout((1, 3))
+  pplan = plain.plan(layout, (2, 2))
+  batch = H.make_batch("gpt", 0, batch_size=8)
+  batch["weights"] = np.zeros(batch["targets"].shape, np.float32)
+  batch["weights"][0, 3] = 1.0
+  batch = plain.arrange_batch(batch, (2, 2))
+  want, _ = plain.train_step(plain.to_padded(plain.init_logical(0), layout), batch, pplan)
+  state = scaled.to_padded(scaled.init_logical(0), layout)
+  first, scales = jax.tree.map(np.asarray, state.params), []
+  for _ in range(10):
+    before = jax.tree.map(np.asarray, state.params)
+    state, m = scaled.train_step(state, batch, pplan)
+    scales.append(float(m["loss_scale"]))
+    if float(loss_scale.scale_of(state.opt_state)) >= scales[-1]:    # applied: did not halve
+      break
+    assert not np.isfinite(float(m["grad_norm"]))
+    jax.tree.map(np.testing.assert_array_equal, state.params, before)
+  assert 2 <= len(scales) < 10 and scales == [2.0 ** (127 - i) for i in range(len(scales))]
+  jax.tree.map(np.testing.assert_array_equal, before, first)
+  jax.tree.map(np.testing.assert_array_equal, state.params, want.params)
+
+
 def _validated(**edits):
   config = H.tiny_gpt(steps=4)
   for path, value in edits.items():
@@ -101,10 +154,13 @@ def test_auto_scales_float16_only_and_other_runs_refuse_dynamic():
   assert _validated(**{"model.dtype": "float16"}).optimizer.loss_scale == "dynamic"
   assert _validated(**{"model.dtype": "bfloat16"}).optimizer.loss_scale == "none"
   assert _validated(**{"optimizer.loss_scale": "dynamic"}).optimizer.loss_scale == "dynamic"
-  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: 'dynamic' is for "
-                     r"tensor-parallel runs in sync mode; a pipelined step"):
-    _validated(**{"optimizer.loss_scale": "dynamic", "mesh.pipe": 2, "mesh.tensor": 2,
-                  "model.num_layers": 2})
+  pipelined = {"mesh.pipe": 2, "mesh.tensor": 2, "model.num_layers": 2}
+  assert _validated(**pipelined, **{"model.dtype": "bfloat16"}).optimizer.loss_scale == "none"
+  assert _validated(**pipelined, **{"optimizer.loss_scale": "dynamic"}
+                    ).optimizer.loss_scale == "dynamic"
+  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: 'dynamic' is for runs "
+                     r"in sync mode; sync modes \['ssaw'\] combine"):
+    _validated(**pipelined, **{"optimizer.loss_scale": "dynamic", "planner.syncs": "sync,ssaw"})
   with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: 'dynamic' .* sync.mode "
                      r"'ssaw'"):
     _validated(**{"optimizer.loss_scale": "dynamic", "mesh.data": 2, "sync.mode": "ssaw"})

@@ -88,6 +88,22 @@ def test_resume_continues_exactly_and_refuses_another_stage_count(tmp_path):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == saved
 
 
+def test_a_scaled_run_resumes_its_scale_and_trains_like_the_unscaled_one(tmp_path):
+  piped = {"mesh.pipe": 2, "optimizer.schedule_steps": 4, "log_every": 1}
+  plain = train.train_and_evaluate(tiny(steps=4, **piped), str(tmp_path / "plain"))
+  scaled = dict(piped, **{"optimizer.loss_scale": "dynamic", "optimizer.loss_scale_period": 1})
+  workdir = str(tmp_path / "scaled")
+  train.train_and_evaluate(tiny(steps=2, **scaled), workdir)
+  resumed = train.train_and_evaluate(tiny(steps=4, **scaled), workdir)
+  assert resumed["start_step"] == 2
+  np.testing.assert_allclose(resumed["losses"], plain["losses"][2:], rtol=1e-6)
+  assert [r["train/loss_scale"] for r in metrics.read_jsonl(f"{workdir}/metrics.jsonl")] == [
+      2.0 ** 15, 2.0 ** 16, 2.0 ** 17, 2.0 ** 18]      # doubled after every finite step
+  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: the checkpoint at step 4 "
+                     r".* was saved with loss scaling 'dynamic', this run has 'none'"):
+    train.train_and_evaluate(tiny(steps=6, **piped), workdir)
+
+
 @pytest.mark.parametrize("key,value,field", [
     ("pipeline.layers", "1,2", "config.pipeline.layers"),
     ("pipeline.microbatches", "2,2,2", "config.pipeline.microbatches"),
