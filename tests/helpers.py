@@ -245,6 +245,29 @@ def check_replica_resume(train, config, tmp_path, monkeypatch, cls, name):
   return workdir
 
 
+def check_scaled_replica_run(train, config, tmp_path, monkeypatch, cls, name):
+  """`config()` (as for `check_replica_resume`) under dynamic loss scaling doubling every 2
+  updates (an update: one round, one local step) trains like the unscaled run (a power-of-two scale is exact in float32; the clip's
+  norm fuses differently, so within 1e-6) and logs the scale each update used; stopped and
+  resumed, it continues its scale exactly (`check_replica_resume`)."""
+  def logged(**fields):
+    c = config()
+    c.log_every = 1
+    c.optimizer.update(fields)
+    return c
+  train(logged(), tmp_path / "plain")
+  scaled = lambda: logged(loss_scale="dynamic", loss_scale_period=2)
+  workdir = check_replica_resume(train, scaled, tmp_path, monkeypatch, cls, name)
+  plain, ref, resumed = (metrics.read_jsonl(str(tmp_path / d / "metrics.jsonl"))
+                         for d in ("plain", "ref", workdir.name))
+  losses = lambda records: [r.get("train/loss", np.nan) for r in records]
+  np.testing.assert_allclose(losses(ref), losses(plain), rtol=1e-6)
+  scales = {r["step"]: r["train/loss_scale"] for r in ref}
+  assert list(scales.values()) == [2.0 ** (15 + i // 2) for i in range(len(ref))]
+  assert all(scales[r["step"]] == r["train/loss_scale"] for r in resumed)
+  assert len(ref) >= 5 and "train/loss_scale" not in plain[0]
+
+
 # --- replica runs (tensor-parallel replicas or pipelines) ---------------------------------------
 
 

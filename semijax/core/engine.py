@@ -172,10 +172,11 @@ class Engine(engine_state.StateForms):
     """Mean loss over the global batch, and the summed terms."""
     return self.steps.loss(params, batch, plan)
 
-  def replica_grads_and_terms(self, stacked_params, batch, plan):
-    """Each data replica's gradients on its own parameters [R, *P], and its loss terms {name:
-    [R]} (`engine_steps.StepFunctions.replica_grads_and_terms`)."""
-    return self.steps.replica_grads_and_terms(stacked_params, batch, plan)
+  def replica_grads_and_terms(self, stacked_params, batch, plan, scale=None):
+    """Each data replica's gradients on its own parameters [R, *P] (times its loss scale
+    `scale` [R] where given), and its loss terms {name: [R]}
+    (`engine_steps.StepFunctions.replica_grads_and_terms`)."""
+    return self.steps.replica_grads_and_terms(stacked_params, batch, plan, scale)
 
   def logits(self, params, batch, plan) -> jax.Array:
     """Logits [global batch, ...] (batch split over data), for tests and inspection."""

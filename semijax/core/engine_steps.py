@@ -96,10 +96,11 @@ class StepFunctions:
     terms = self.loss_terms_fn(params, batch, plan)
     return terms["loss_sum"] / terms["count"], terms
 
-  def replica_grads_and_terms(self, stacked_params, batch, plan):
+  def replica_grads_and_terms(self, stacked_params, batch, plan, scale=None):
     """Each data replica's own gradients, on its own parameters: stacked_params [R, *P]
     (global; row r on replica r's tensor group) -> (gradients [R, *P] of each replica's mean
-    loss over its own rows of `batch`, loss terms {name: [R]}). Nothing is summed over `data`
+    loss over its own rows of `batch`, times its loss scale `scale[r]` (float32 [R],
+    `core.loss_scale`) where given; loss terms {name: [R]}). Nothing is summed over `data`
     (the replica modes of `semijax.sync` combine them). Over `accumulation` microbatches of
     each replica's rows where it is > 1 (`_accumulate`)."""
     stacked = jax.tree.map(lambda a: P(mesh_lib.DATA, *a.spec()), self.axes)
@@ -109,12 +110,15 @@ class StepFunctions:
     lead = lambda t: jnp.reshape(t, (1,) + t.shape)
 
     if self.accumulation > 1:
-      def accumulated(params, batch, plan):   # this replica's own mean, from its microbatches
+      def accumulated(params, batch, plan, *scale):   # this replica's own mean, of microbatches
         params = jax.tree.map(lambda x: x[0], params)
-        grads, terms = self._accumulate(params, batch, plan)
+        grads, terms = self._accumulate(params, batch, plan, *(x[0] for x in scale))
         return jax.tree.map(lead, (_mean(grads, terms, params), terms))
-      return jax.shard_map(accumulated, mesh=self.mesh, in_specs=in_specs,
-                           out_specs=(stacked, P(mesh_lib.DATA)))(stacked_params, batch, plan)
+      scales = () if scale is None else (scale,)
+      return jax.shard_map(accumulated, mesh=self.mesh,
+                           in_specs=in_specs + tuple(P(mesh_lib.DATA) for _ in scales),
+                           out_specs=(stacked, P(mesh_lib.DATA)))(stacked_params, batch, plan,
+                                                                  *scales)
 
     def local(params, batch, plan):
       return jax.tree.map(lead, self._model_terms(jax.tree.map(lambda x: x[0], params), batch,
@@ -123,7 +127,8 @@ class StepFunctions:
     def losses(stacked_params):
       terms = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
                             out_specs=P(mesh_lib.DATA))(stacked_params, batch, plan)
-      return jnp.sum(terms["loss_sum"] / terms["count"]), terms
+      means = terms["loss_sum"] / terms["count"]
+      return jnp.sum(means if scale is None else means * scale), terms
 
     (_, terms), grads = jax.value_and_grad(losses, has_aux=True)(stacked_params)
     return grads, terms

@@ -203,10 +203,11 @@ class PipelineEngine:
 
   # --- the sharded step (`pipeline_programs.PipePrograms`) ----------------------------------------
 
-  def replica_grads_and_terms(self, stacked_params, batch, pplan):
+  def replica_grads_and_terms(self, stacked_params, batch, pplan, scale=None):
     """Each data-parallel pipeline's own gradients, on its own parameters: stacked_params
-    [R, *P] -> (gradients [R, *P], loss terms {name: [R]}); nothing summed over `data`."""
-    return self.programs.replica_grads_and_terms(stacked_params, batch, pplan)
+    [R, *P] -> (gradients [R, *P], times its loss scale `scale` [R] where given; loss terms
+    {name: [R]}); nothing summed over `data`."""
+    return self.programs.replica_grads_and_terms(stacked_params, batch, pplan, scale)
 
   def grads_and_terms(self, params, batch, pplan):
     """(gradients like `params`, summed loss terms) of one step's global batch."""

@@ -42,26 +42,29 @@ class PipePrograms:
     self._compiled: dict = {}
     self.compile_count = 0
 
-  def _sharded(self, fn, out_specs, params, batch, pplan, scale=None, param_specs=None):
-    """`fn(params, batch, pplan[, scale])` under shard_map; `scale` (a loss scale, float32 [])
-    is passed replicated where given."""
+  def _sharded(self, fn, out_specs, params, batch, pplan, scale=None, param_specs=None,
+               scale_spec=P()):
+    """`fn(params, batch, pplan[, scale])` under shard_map; `scale` (a loss scale: float32 []
+    replicated, or [R] split over `data` by `scale_spec`) where given."""
     plan_specs = PipePlan({k: P(PIPE, TENSOR) for k in pplan.active}, P(PIPE), P(DATA),
                           pplan.widths)
     param_specs = sharding.specs(self.axes) if param_specs is None else param_specs
     in_specs = (param_specs, jax.tree.map(lambda _: P(DATA), batch), plan_specs)
     args = (params, batch, pplan)
     if scale is not None:
-      in_specs, args = in_specs + (P(),), args + (scale,)
+      in_specs, args = in_specs + (scale_spec,), args + (scale,)
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 
-  def replica_grads_and_terms(self, stacked_params, batch, pplan):
+  def replica_grads_and_terms(self, stacked_params, batch, pplan, scale=None):
     """Each data-parallel pipeline's own gradients, on its own parameters: stacked_params
     [R, *P] (global; row d on pipeline d's devices) -> (gradients [R, *P] of each pipeline's
-    mean loss over its own microbatches' tokens, loss terms {name: [R]}). Nothing is summed over
-    `data` (the replica modes of `semijax.sync` combine them)."""
+    mean loss over its own microbatches' tokens, times its loss scale `scale[d]` (float32 [R])
+    where given; loss terms {name: [R]}). Nothing is summed over `data` (the replica modes of
+    `semijax.sync` combine them)."""
     stacked = jax.tree.map(lambda s: P(DATA, *s), sharding.specs(self.axes))
     return self._sharded(functools.partial(self.step.local, train=True, per_replica=True),
-                         (stacked, P(DATA)), stacked_params, batch, pplan, param_specs=stacked)
+                         (stacked, P(DATA)), stacked_params, batch, pplan, scale,
+                         param_specs=stacked, scale_spec=P(DATA))
 
   def grads_and_terms(self, params, batch, pplan, scale=None):
     """(gradients like `params`, summed loss terms) of one step's global batch; the gradients

@@ -63,11 +63,12 @@ class PipeStep:
 
     scale: float32 [] (replicated), the loss scale (`core.loss_scale`) the backward pass seeds
     the loss with, so that the gradients come back times it; None: 1.
-    per_replica: `params` are stacked [1, *local] (this data replica's own copy), the loss is
-    normalized by this pipeline's own tokens and nothing is summed over `data`: gradients come
-    back [1, *local] and terms [1] (`replica_grads_and_terms`)."""
+    per_replica: `params` are stacked [1, *local] (this data replica's own copy), `scale` [1]
+    its own scale, the loss is normalized by this pipeline's own tokens and nothing is summed
+    over `data`: gradients come back [1, *local] and terms [1] (`replica_grads_and_terms`)."""
     if per_replica:
       params = jax.tree.map(lambda x: x[0], params)
+      scale = None if scale is None else scale[0]
     s = jax.lax.axis_index(PIPE)
     is_first, is_last = s == 0, s == self.stages - 1
     m_count = self.microbatches

@@ -9,10 +9,14 @@ holds its own slice (its in-flight gradient, or under local SGD its own paramete
 state); a plain tree is the engine's (replicated over `data`).
 
   compute   per-replica mean gradients of one microbatch each, on the current parameters;
-            replicas flagged `start` store theirs in the stacked `pending` tree (ssaw, async);
+            replicas flagged `start` store theirs in the stacked `pending` tree (ssaw, async).
+            Under dynamic loss scaling (`core.loss_scale`) each is computed times the state's
+            current scale and divided by it at once: pending gradients are unscaled, and one
+            that overflowed makes the update that reads it skip and halve the scale;
   apply     one update from the pending gradients: their weighted sum (an all-reduce over
             `data`), the engine's optimizer, the learning rate times `lr_factor`;
-  local     one local optimizer step of every replica on its own parameters (local SGD);
+  local     one local optimizer step of every replica on its own parameters (local SGD),
+            each scaling its loss by its own optimizer state's scale;
   outer     the average of the replicas' parameters, or DiLoCo's outer Nesterov step on the
             averaged delta, sent back to every replica.
 
@@ -28,6 +32,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from semijax.core import engine as engine_lib
+from semijax.core import loss_scale
 from semijax.core import mesh as mesh_lib
 from semijax.sync import inflight
 from semijax.sync import settings as settings_lib
@@ -41,6 +46,12 @@ def _stacked(sharding: NamedSharding) -> NamedSharding:
 def _per_replica(flags, x):
   """flags [R] broadcast against a stacked leaf x [R, ...]."""
   return flags.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def _unscaled(grads, scale):
+  """Stacked gradients [R, *P] of each replica's loss times scale[r] (float32 [R]) divided by
+  it (`loss_scale.unscaled`, replica by replica)."""
+  return jax.tree.map(lambda g: (g / _per_replica(scale, g)).astype(g.dtype), grads)
 
 
 class Programs:
@@ -84,9 +95,9 @@ class Programs:
     with mesh_lib.lowering_scope(self.engine.mesh):   # traced once, in that scope
       return self._jitted[name](*args)
 
-  def compute(self, params, pending, batch, plan, start):
+  def compute(self, state, pending, batch, plan, start):
     """`_compute`, compiled; `pending` is donated."""
-    return self._run("compute", params, pending, batch, plan, start)
+    return self._run("compute", state, pending, batch, plan, start)
 
   def apply(self, state, pending, weights, lr_factor):
     """`_apply`, compiled; `state` is donated."""
@@ -127,17 +138,23 @@ class Programs:
 
   # --- the programs ---------------------------------------------------------------------------
 
-  def _compute(self, params, pending, batch, plan, start):
-    """(pending with the flagged replicas' new mean gradients [R, *P], terms {name: [R]})."""
-    stacked = self._broadcast(params, self.stacked_params)
-    grads, terms = self.engine.replica_grads_and_terms(stacked, batch, plan)
+  def _compute(self, state: engine_lib.TrainState, pending, batch, plan, start):
+    """(pending with the flagged replicas' new mean gradients [R, *P] on `state`'s parameters,
+    terms {name: [R]})."""
+    stacked = self._broadcast(state.params, self.stacked_params)
+    scale = loss_scale.scale_of(state.opt_state)
+    if scale is not None:
+      scale = jnp.broadcast_to(scale, (self.num_replicas,))
+    grads, terms = self.engine.replica_grads_and_terms(stacked, batch, plan, scale)
+    if scale is not None:
+      grads = _unscaled(grads, scale)
     pending = jax.tree.map(lambda g, old: jnp.where(_per_replica(start, g), g, old),
                            grads, pending)
     return pending, terms
 
   def _apply(self, state: engine_lib.TrainState, pending, weights, lr_factor):
     """One update: sum_r weights[r] pending[r] through the engine's optimizer, its step
-    scaled by `lr_factor`. Returns (new state, {"grad_norm"})."""
+    scaled by `lr_factor`. Returns (new state, {"grad_norm"[, "loss_scale"]})."""
     e = self.engine
     def combine(p, s):
       w = _per_replica(weights, p)
@@ -146,15 +163,22 @@ class Programs:
     updates, opt_state = e.tx.update(grads, state.opt_state, state.params)
     updates = jax.tree.map(lambda u: u * lr_factor, updates)
     params = optax.apply_updates(state.params, updates)
-    return engine_lib.TrainState(params, opt_state), {"grad_norm": optax.tree.norm(grads)}
+    metrics = {"grad_norm": optax.tree.norm(grads)}
+    if (scale := loss_scale.scale_of(state.opt_state)) is not None:
+      metrics["loss_scale"] = scale        # the scale before this update
+    return engine_lib.TrainState(params, opt_state), metrics
 
   def _stack(self, state: engine_lib.TrainState) -> engine_lib.TrainState:
     """A state [*P] copied to every replica [R, *P] (local SGD's start)."""
     return self._broadcast(state, self.stacked_state_shardings())
 
   def _local(self, replicas: engine_lib.TrainState, batch, plan):
-    """One local step of every replica on its own microbatch. Returns (replicas, terms)."""
-    grads, terms = self.engine.replica_grads_and_terms(replicas.params, batch, plan)
+    """One local step of every replica on its own microbatch. Returns (replicas, terms {name:
+    [R]}, with "loss_scale", the scales the step used, under dynamic loss scaling)."""
+    scale = loss_scale.scale_of(replicas.opt_state)             # [R]: each replica's own
+    grads, terms = self.engine.replica_grads_and_terms(replicas.params, batch, plan, scale)
+    if scale is not None:
+      grads, terms = _unscaled(grads, scale), dict(terms, loss_scale=scale)
     updates, opt_state = jax.vmap(self.engine.tx.update)(grads, replicas.opt_state,
                                                          replicas.params)
     params = optax.apply_updates(replicas.params, updates)

@@ -560,7 +560,7 @@ class RoundsReplica:
       j = -1
     else:
       batch = engine.shard_batch(microbatch(j))
-      self._pending, terms = self.programs.compute(state.params, self._pending, batch,
+      self._pending, terms = self.programs.compute(state, self._pending, batch,
                                                    self.plan, np.ones(1, bool))
       terms = jax.device_get(terms)      # waits for the gradient
       samples = self.samples

@@ -111,7 +111,7 @@ class RoundRunner:
       rows[r] = microbatch(j)
       started[r] = True
     batch = self.engine.shard_batch(jax.tree.map(lambda *x: np.concatenate(x), *rows))
-    self.pending, terms = self.programs.compute(state.params, self.pending, batch, plan, started)
+    self.pending, terms = self.programs.compute(state, self.pending, batch, plan, started)
     return terms, started
 
   def round(self, state, plan: plan_lib.Plan, microbatch: Callable[[int], dict],

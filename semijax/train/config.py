@@ -496,8 +496,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
   data = data_lib.DataSpec.from_config(config)
   sync = _sync(config, mesh, balance, resize, num_devices, process_count)
   optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer).resolved(
-      spec.precision.dtype, None if sync.mode == "sync" else
-      f"sync.mode {sync.mode!r} combines replicas' gradients that are not scaled")
+      spec.precision.dtype)
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer, data, config.to_dict(),
@@ -611,10 +610,8 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                       f"their pipelines synchronously ('sync'); the replica modes "
                       f"{sorted((set(syncs) | {sync.mode}) - {'sync'})} run pipelines in one "
                       "process")
-  replica_modes = sorted((set(syncs) | {sync.mode}) - {"sync"})
   optimizer = optimizer_lib.OptimizerSpec.from_config(config.optimizer).resolved(
-      spec.precision.dtype, f"sync modes {replica_modes} combine replicas' gradients that are "
-      "not scaled" if replica_modes else None)
+      spec.precision.dtype)
   return RunConfig(config.seed, config.steps, config.batch_size, config.eval_every,
                    config.log_every, config.checkpoint_every, config.keep_checkpoints, mesh,
                    spec, layout, hetero, resize, balance, optimizer,

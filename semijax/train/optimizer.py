@@ -87,21 +87,12 @@ class OptimizerSpec:
       raise ConfigError(f"{f}.loss_scale_period: must be an integer >= 1, got {period!r}")
     return self
 
-  def resolved(self, dtype: str, refusal: str | None) -> "OptimizerSpec":
+  def resolved(self, dtype: str) -> "OptimizerSpec":
     """This spec with `loss_scale` "auto" decided: "dynamic" where the compute `dtype` is
-    float16, else "none". `refusal`: why this run's step cannot scale its loss (None: it
-    can); a run that cannot refuses "dynamic", and "auto" then means "none".
-
-    Raises:
-      ConfigError: loss_scale "dynamic" where the run cannot scale its loss.
-    """
-    if self.loss_scale == "dynamic" and refusal is not None:
-      raise ConfigError(f"config.optimizer.loss_scale: 'dynamic' is for runs in sync "
-                        f"mode; {refusal}")
+    float16, else "none"."""
     if self.loss_scale != "auto":
       return self
-    want = dtype == "float16" and refusal is None
-    return dataclasses.replace(self, loss_scale="dynamic" if want else "none")
+    return dataclasses.replace(self, loss_scale="dynamic" if dtype == "float16" else "none")
 
 
 def schedule_length(spec: OptimizerSpec, steps: int) -> int:

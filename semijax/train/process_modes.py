@@ -63,7 +63,7 @@ class Rounds:
       _GROUPS[local] = real_lib.GroupPrograms(local, ex.base.engine.mesh, ex.state)
     self.groups = _GROUPS[local]
     batch = local.shard_batch(ex.batches.microbatch(0))
-    scratch, _ = programs.compute(ex.state.params, programs.zeros(ex.state.params), batch,
+    scratch, _ = programs.compute(ex.state, programs.zeros(ex.state.params), batch,
                                   ex.plan, np.ones(1, bool))
     self.groups.warm_up(ex.state, scratch, r)
     resume, computed = real_lib.Resume(), ()

@@ -121,7 +121,7 @@ class Rounds:
     progs, r = self.runner.programs, self.run.mesh.data
     batch = self.engine.shard_batch(batches.global_batch(0))
     scratch = progs.zeros(state.params)
-    scratch, _ = progs.compute(state.params, scratch, batch, plan, np.ones(r, bool))
+    scratch, _ = progs.compute(state, scratch, batch, plan, np.ones(r, bool))
     copy = jax.tree.map(lambda x: x.copy(), state)
     jax.block_until_ready(progs.apply(copy, scratch, np.full(r, 1.0 / r, np.float32),
                                       np.float32(1.0)))
@@ -150,6 +150,8 @@ class Rounds:
                "sync/mean_staleness": float(np.mean(rnd.staleness)),
                "sync/lr_scale": res.lr_scale, "sync/step": float(res.step),
                "sync/emulated_s": res.emulated_s}
+    if "loss_scale" in res.metrics:
+      scalars["train/loss_scale"] = float(res.metrics["loss_scale"])
     return state, Update(sum(rnd.samples), res.emulated_s, loss, acc, scalars)
 
   def params(self, state):
@@ -218,6 +220,8 @@ class LocalSGD:
                                                                  self.momentum)
       state = engine_lib.TrainState(params, state.opt_state)
     scalars = {"sync/outer": float(outer)}
+    if "loss_scale" in terms:            # the lowest of the replicas' scales this step used
+      scalars["train/loss_scale"] = float(np.min(jax.device_get(terms["loss_scale"])))
     return state, Update(self.run.batch_size, float(np.max(durations)), loss, acc, scalars,
                           evaluable=outer)
 

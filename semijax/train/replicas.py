@@ -127,7 +127,8 @@ class Replicas:
                                  "sync/progress": applied / self.run.batch_size})
     grad_norm = scalars.pop("train/grad_norm", None)
     return executor_lib.StepResult(
-        {"loss": u.loss, "accuracy": u.accuracy, "grad_norm": grad_norm}, seconds, scalars,
+        {"loss": u.loss, "accuracy": u.accuracy, "grad_norm": grad_norm,
+         "loss_scale": scalars.pop("train/loss_scale", None)}, seconds, scalars,
         samples=u.samples, evaluable=u.evaluable)
 
   def evaluate(self) -> dict:

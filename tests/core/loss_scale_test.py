@@ -150,22 +150,14 @@ def _validated(**edits):
   return config_lib.validate(config, None, 1)
 
 
-def test_auto_scales_float16_only_and_other_runs_refuse_dynamic():
-  assert _validated(**{"model.dtype": "float16"}).optimizer.loss_scale == "dynamic"
-  assert _validated(**{"model.dtype": "bfloat16"}).optimizer.loss_scale == "none"
-  assert _validated(**{"optimizer.loss_scale": "dynamic"}).optimizer.loss_scale == "dynamic"
+def test_auto_scales_float16_only_in_every_kind_of_run():
   pipelined = {"mesh.pipe": 2, "mesh.tensor": 2, "model.num_layers": 2}
-  assert _validated(**pipelined, **{"model.dtype": "bfloat16"}).optimizer.loss_scale == "none"
-  assert _validated(**pipelined, **{"optimizer.loss_scale": "dynamic"}
-                    ).optimizer.loss_scale == "dynamic"
-  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: 'dynamic' is for runs "
-                     r"in sync mode; sync modes \['ssaw'\] combine"):
-    _validated(**pipelined, **{"optimizer.loss_scale": "dynamic", "planner.syncs": "sync,ssaw"})
-  with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale: 'dynamic' .* sync.mode "
-                     r"'ssaw'"):
-    _validated(**{"optimizer.loss_scale": "dynamic", "mesh.data": 2, "sync.mode": "ssaw"})
-  assert _validated(**{"model.dtype": "float16", "mesh.data": 2,
-                       "sync.mode": "ssaw"}).optimizer.loss_scale == "none"
+  replicas = {"mesh.data": 2, "sync.mode": "ssaw"}
+  for kind in ({}, pipelined, replicas, dict(pipelined, **replicas)):
+    assert _validated(**kind, **{"model.dtype": "float16"}).optimizer.loss_scale == "dynamic"
+    assert _validated(**kind, **{"model.dtype": "bfloat16"}).optimizer.loss_scale == "none"
+    assert _validated(**kind, **{"optimizer.loss_scale": "dynamic"}
+                      ).optimizer.loss_scale == "dynamic"
   with pytest.raises(ConfigError, match=r"^config.optimizer.loss_scale_init: must be a power "
                      r"of two >= 1"):
     _validated(**{"optimizer.loss_scale_init": 1000.0})

@@ -101,6 +101,16 @@ def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name)
   H.check_replica_resume(run, c, tmp_path, monkeypatch, cls, name)
 
 
+@pytest.mark.parametrize("mode, extra, cls, name", [
+    ("ssaw", {}, rounds_lib.RoundRunner, "round"),
+    ("local_sgd", {"sync.local_steps": 2, "gradient_accumulation_steps": 2},
+     replica_modes.LocalSGD, "update")])
+def test_a_scaled_run_trains_like_the_unscaled_one_and_resumes_its_scale(
+    tmp_path, monkeypatch, mode, extra, cls, name):
+  c = lambda: config(mode, (1.0, 2.0, 1.0, 3.0), steps=5, checkpoint_every=3, **extra)
+  H.check_scaled_replica_run(run, c, tmp_path, monkeypatch, cls, name)
+
+
 @pytest.mark.parametrize("mode, expected", [("sync", (3.0, 6.0)), ("ssaw", (1.0, 2.0))])
 def test_a_sync_step_waits_for_the_slowest_replica(mode, expected):
   c = config(mode, (1.0, 3.0, 1.0, 1.0), **{"hetero.slowdown": (1.0, 2.0)})

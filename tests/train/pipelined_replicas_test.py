@@ -72,6 +72,13 @@ def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name)
     train_in(slow(config("sync", steps=6)), workdir)
 
 
+def test_a_scaled_ssaw_run_trains_like_the_unscaled_one_and_resumes_its_scale(tmp_path,
+                                                                             monkeypatch):
+  c = lambda: slow(config("ssaw", steps=5, checkpoint_every=3))
+  H.check_scaled_replica_run(train_in, c, tmp_path, monkeypatch, rounds_lib.RoundRunner,
+                             "round")
+
+
 def test_the_planner_chooses_the_mode_and_the_run_follows_it(tmp_path):
   c = slow(config(steps=2, plan="auto", **{"planner.syncs": "ssaw"}))
   out = train.train_and_evaluate(c, str(tmp_path))
