@@ -521,7 +521,7 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
              ("resize.keep", config.resize.keep, None),
              ("resize.straggler", config.resize.straggler, None))
   for name, value, instead in refused:
-    if value not in ((), "", None):
+    if value not in ((), [], "", None):     # [] where the config came from JSON
       hint = f"; use config.{instead}" if instead else ""
       raise ConfigError(f"config.{name}: pipelined and planned runs (mesh.pipe > 1 or "
                         f"config.plan) do not take it{hint}")

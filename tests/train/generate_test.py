@@ -1,0 +1,107 @@
+"""Text from a trained run (`train.generate`, experiments/sample.py): a checkpoint of an uneven
+4-device GPT or Llama run, restored onto one device, decodes like the dense reference model
+with the run's parameters; bad input ends in one line naming the flag."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+import dense_reference as ref
+import helpers as H
+import llama_reference as llama_ref
+from semijax.errors import ConfigError
+from semijax.models import sampling
+from semijax.train import checkpoint as checkpoint_lib
+from semijax.train import config as config_lib
+from semijax.train import generate
+from semijax.train import loop as train
+from semijax.train import tensor as tensor_lib
+
+
+def _run(model, tmp_path_factory):
+  """The workdir of 3 steps of an uneven 4-device GPT or Llama (4 KV groups of 2 heads)."""
+  if model == "gpt":
+    c = H.tiny_gpt(tensor=4, steps=3, mlp=(10, 20, 14, 20), heads=(1, 3, 2, 2))
+  else:
+    c = H.tiny_run("llama_tiny", dict(seq_len=16, d_model=32, num_heads=8, num_kv_heads=4,
+                                      d_ff=64, num_layers=1), 4, 3, mlp=(10, 20, 14, 20),
+                   heads=(0, 2, 1, 1))
+  out = tmp_path_factory.mktemp(model)
+  train.train_and_evaluate(c, str(out))
+  return out
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  return _run("gpt", tmp_path_factory)
+
+
+def reference(workdir):
+  """(dense reference logits_fn, its params) of the run's last checkpoint, restored onto the
+  run's own 4-device engine."""
+  with open(workdir / "config.json") as f:
+    run = config_lib.validate(ml_collections.ConfigDict(json.load(f)))
+  engine = tensor_lib.build_engine(run)
+  ckpt = checkpoint_lib.Checkpointer(str(workdir / "checkpoints"))
+  logical, _ = ckpt.restore(engine.abstract_logical(), 3)
+  ckpt.close()
+  arrays = engine.logical_arrays(logical.params)
+  if run.model.name == "llama":
+    heads = run.model.kwargs["num_heads"]
+    return (lambda p, tokens: llama_ref.logits(p, tokens, heads)), arrays
+  graphdef, params = ref.build(ref.GPT, arrays, **run.model.kwargs)
+  return (lambda p, tokens: ref.apply(graphdef, p, tokens)), params
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_a_restored_run_decodes_like_the_dense_reference(model, workdir, tmp_path_factory):
+  workdir = workdir if model == "gpt" else _run(model, tmp_path_factory)
+  loaded = generate.load(str(workdir))
+  assert (loaded.step, loaded.codec.name) == (3, "UTF-8 bytes")
+  ref_logits, ref_params = reference(workdir)
+  prompt = list(b"import os\ndef f(x):\n")                  # longer than seq_len (16)
+  window = np.asarray([prompt[:16]], np.int32)
+  np.testing.assert_allclose(loaded.logits(loaded.params, window),
+                             ref_logits(ref_params, window), atol=2e-5)
+  got = sampling.generate(loaded.logits, loaded.params, prompt, 12, seq_len=16)
+  assert got == sampling.generate(ref_logits, ref_params, prompt, 12, seq_len=16)
+  text = loaded.sample("import os\ndef f(x):\n", 12)
+  assert text.startswith("import os\ndef f(x):\n") and len(text) > len(prompt)
+  with pytest.raises(ConfigError, match=r"^--step: no intact checkpoint 2 in .* \(there are "
+                     r"\[3\]\)"):
+    generate.load(str(workdir), step=2)
+
+
+def test_bad_input_is_one_line_naming_the_flag(workdir, tmp_path):
+  with pytest.raises(ConfigError, match=r"^--workdir: .* holds no config.json"):
+    generate.load(str(tmp_path))
+  for edits, message in (({"mesh.pipe": 2, "mesh.tensor": 2, "model.num_layers": 2},
+                          "--workdir: the run is pipelined"),
+                         ({}, "--workdir: no checkpoints in")):
+    c = H.tiny_gpt(tensor=2)
+    for key, value in edits.items():
+      node, _, field = key.rpartition(".")
+      c[node][field] = value
+    (tmp_path / "config.json").write_text(json.dumps(c.to_dict()))
+    with pytest.raises(ConfigError, match="^" + message):
+      generate.load(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps(H.load("vit_digits").to_dict()))
+  with pytest.raises(ConfigError, match="^--workdir: the run trained a 'vit' model"):
+    generate.load(str(tmp_path))
+  script = os.path.join(H.ROOT, "experiments", "sample.py")
+  for flags, line in ((["--top_k=300"], "--top_k: 300 is more than the model's 256 tokens"),
+                      (["--temperature=-1"], "--temperature: need >= 0, got -1.0")):
+    out = subprocess.run([sys.executable, script, f"--workdir={workdir}", *flags],
+                         capture_output=True, text=True, timeout=300, cwd=H.ROOT)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == line, out.stderr
+  out = subprocess.run([sys.executable, script, f"--workdir={workdir}", "--prompt=def ",
+                        "--tokens=5", "--temperature=0.7", "--top_k=10"],
+                       capture_output=True, text=True, timeout=300, cwd=H.ROOT)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.splitlines()[0] == f"gpt of {workdir}, step 3; UTF-8 bytes"
+  assert out.stdout.splitlines()[1].startswith("def ")
