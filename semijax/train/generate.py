@@ -54,7 +54,7 @@ def codec(run: config_lib.RunConfig) -> Codec:
   if not shards:
     raise ConfigError(f"config.data.path: no token shards match {run.data.path!r} (the run's "
                       "tokenizer is read beside them)")
-  header = tokens_lib.read_header(tokens_lib.header_path(shards[0]), "config.data.path")
+  header = tokens_lib.read_header(shards[0], "config.data.path")
   if header.tokenizer == "bytes":
     return _bytes_codec()
   path = os.path.join(os.path.dirname(shards[0]), header.tokenizer)

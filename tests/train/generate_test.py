@@ -20,6 +20,7 @@ from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import generate
 from semijax.train import loop as train
+from semijax.train import prepare
 from semijax.train import tensor as tensor_lib
 
 
@@ -75,6 +76,22 @@ def test_a_restored_run_decodes_like_the_dense_reference(model, workdir, tmp_pat
   with pytest.raises(ConfigError, match=r"^--step: no intact checkpoint 2 in .* \(there are "
                      r"\[3\]\)"):
     generate.load(str(workdir), step=2)
+
+
+def test_a_run_on_token_shards_decodes_with_their_tokenizer(tmp_path):
+  prepare.prepare(prepare.Request(os.path.join(H.ROOT, "README.md"), str(tmp_path / "tokens"),
+                                  vocab_size=300))
+  c = H.tiny_gpt(tensor=2, steps=2)
+  c.model.vocab_size = 300
+  c.data.name, c.data.path = "tokens", str(tmp_path / "tokens" / "train_*.bin")
+  train.train_and_evaluate(c, str(tmp_path / "run"))
+  loaded = generate.load(str(tmp_path / "run"))
+  assert loaded.codec.name == str(tmp_path / "tokens" / "tokenizer.json")
+  prompt = "The demo runs the same GPT"
+  ids = loaded.codec.encode(prompt)
+  assert len(ids) < len(prompt.encode()) and max(ids) > 256      # merged tokens
+  text = loaded.sample(prompt, 6)
+  assert text.startswith(prompt) and len(text) > len(prompt)
 
 
 def test_bad_input_is_one_line_naming_the_flag(workdir, tmp_path):
