@@ -64,8 +64,10 @@ def all_finite(tree) -> jax.Array:
 
 def unscaled(grads, scale: jax.Array):
   """grads (of the loss times `scale`) divided by it, each in its own dtype: exact for a power
-  of two."""
-  return jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
+  of two. `scale` is float32 [], or [R] for stacked gradients [R, ...] (one per replica)."""
+  def one(g):
+    return (g / jnp.reshape(scale, scale.shape + (1,) * (g.ndim - scale.ndim))).astype(g.dtype)
+  return jax.tree.map(one, grads)
 
 
 def scale_of(opt_state) -> jax.Array | None:

@@ -48,12 +48,6 @@ def _per_replica(flags, x):
   return flags.reshape((-1,) + (1,) * (x.ndim - 1))
 
 
-def _unscaled(grads, scale):
-  """Stacked gradients [R, *P] of each replica's loss times scale[r] (float32 [R]) divided by
-  it (`loss_scale.unscaled`, replica by replica)."""
-  return jax.tree.map(lambda g: (g / _per_replica(scale, g)).astype(g.dtype), grads)
-
-
 class Programs:
   """The replica programs of one engine (see module doc).
 
@@ -147,7 +141,7 @@ class Programs:
       scale = jnp.broadcast_to(scale, (self.num_replicas,))
     grads, terms = self.engine.replica_grads_and_terms(stacked, batch, plan, scale)
     if scale is not None:
-      grads = _unscaled(grads, scale)
+      grads = loss_scale.unscaled(grads, scale)
     pending = jax.tree.map(lambda g, old: jnp.where(_per_replica(start, g), g, old),
                            grads, pending)
     return pending, terms
@@ -178,7 +172,7 @@ class Programs:
     scale = loss_scale.scale_of(replicas.opt_state)             # [R]: each replica's own
     grads, terms = self.engine.replica_grads_and_terms(replicas.params, batch, plan, scale)
     if scale is not None:
-      grads, terms = _unscaled(grads, scale), dict(terms, loss_scale=scale)
+      grads, terms = loss_scale.unscaled(grads, scale), dict(terms, loss_scale=scale)
     updates, opt_state = jax.vmap(self.engine.tx.update)(grads, replicas.opt_state,
                                                          replicas.params)
     params = optax.apply_updates(replicas.params, updates)

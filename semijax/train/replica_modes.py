@@ -213,6 +213,7 @@ class LocalSGD:
     for i in range(r):
       self.microbatches[i].append(k * r + i)
     self.step += 1
+    terms = jax.device_get(terms)
     loss, acc = replica_loss(terms)
     outer = self.step % self.run.sync.local_steps == 0 or self.done
     if outer:
@@ -221,7 +222,7 @@ class LocalSGD:
       state = engine_lib.TrainState(params, state.opt_state)
     scalars = {"sync/outer": float(outer)}
     if "loss_scale" in terms:            # the lowest of the replicas' scales this step used
-      scalars["train/loss_scale"] = float(np.min(jax.device_get(terms["loss_scale"])))
+      scalars["train/loss_scale"] = float(np.min(terms["loss_scale"]))
     return state, Update(self.run.batch_size, float(np.max(durations)), loss, acc, scalars,
                           evaluable=outer)
 

@@ -65,6 +65,23 @@ def test_a_scaled_step_equals_the_unscaled_one_bit_for_bit(accumulation):
   assert scales == [2.0 ** 12, 2.0 ** 12, 2.0 ** 13, 2.0 ** 13]     # doubles every 2 steps
 
 
+def _until_applied(engine, state, batch, plan, tries):
+  """Train steps of `engine` (its optimizer under dynamic scaling) on `batch` until one applies
+  (its scale did not halve), at most `tries`; every skipped step has a gradient that is not
+  finite and leaves the parameters bit for bit. Returns (state, the parameters before the last
+  step, the scale of each step)."""
+  scales = []
+  for _ in range(tries):
+    before = jax.tree.map(np.asarray, state.params)
+    state, m = engine.train_step(state, batch, plan)
+    scales.append(float(m["loss_scale"]))
+    if float(loss_scale.scale_of(state.opt_state)) >= scales[-1]:    # applied: did not halve
+      break
+    assert not np.isfinite(float(m["grad_norm"]))
+    jax.tree.map(np.testing.assert_array_equal, state.params, before)
+  return state, before, scales
+
+
 def test_an_overflowing_scale_skips_steps_until_it_fits():
   """float32 overflows at 2^128: a loss of about 4 times 2^127 is infinite, so the first steps
   are skipped (the parameters stay bit for bit), the scale halving each time; the first step
@@ -76,14 +93,7 @@ def test_an_overflowing_scale_skips_steps_until_it_fits():
   first = jax.tree.map(np.asarray, start.params)
   batch = plain.shard_batch(H.make_batch("gpt", seed=3, batch_size=8))
   want, _ = plain.train_step(plain.to_padded(plain.init_logical(0), layout), batch, plan)
-  state, scales = start, []
-  for _ in range(8):
-    before = jax.tree.map(np.asarray, state.params)
-    state, m = scaled.train_step(state, batch, plan)
-    scales.append(float(m["loss_scale"]))
-    if float(loss_scale.scale_of(state.opt_state)) >= scales[-1]:    # applied: did not halve
-      break
-    jax.tree.map(np.testing.assert_array_equal, state.params, before)
+  state, before, scales = _until_applied(scaled, start, batch, plan, 8)
   skipped = len(scales) - 1
   assert 1 <= skipped < 8 and scales == [2.0 ** (127 - i) for i in range(len(scales))]
   jax.tree.map(np.testing.assert_array_equal, before, first)
@@ -127,15 +137,8 @@ def test_an_overflowing_pipelined_step_applies_nothing_until_the_scale_fits():
   batch = plain.arrange_batch(batch, (2, 2))
   want, _ = plain.train_step(plain.to_padded(plain.init_logical(0), layout), batch, pplan)
   state = scaled.to_padded(scaled.init_logical(0), layout)
-  first, scales = jax.tree.map(np.asarray, state.params), []
-  for _ in range(10):
-    before = jax.tree.map(np.asarray, state.params)
-    state, m = scaled.train_step(state, batch, pplan)
-    scales.append(float(m["loss_scale"]))
-    if float(loss_scale.scale_of(state.opt_state)) >= scales[-1]:    # applied: did not halve
-      break
-    assert not np.isfinite(float(m["grad_norm"]))
-    jax.tree.map(np.testing.assert_array_equal, state.params, before)
+  first = jax.tree.map(np.asarray, state.params)
+  state, before, scales = _until_applied(scaled, state, batch, pplan, 10)
   assert 2 <= len(scales) < 10 and scales == [2.0 ** (127 - i) for i in range(len(scales))]
   jax.tree.map(np.testing.assert_array_equal, before, first)
   jax.tree.map(np.testing.assert_array_equal, state.params, want.params)
