@@ -11,6 +11,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # fifth less time than with full optimization.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
@@ -20,6 +22,31 @@ import jax  # noqa: E402
 # The environment variable also sends the programs of experiments/train.py subprocesses there,
 # not to the user's ~/.cache.
 os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="semijax-jit-")
+atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+# scripts/test.sh reruns, after a crashed worker or a hung run, only the tests that did not pass:
+# the first run records the node ids of the tests that passed or were skipped (one a line, written
+# by the process that reports, the xdist controller), the rerun deselects them.
+_DONE_LOG = os.environ.get("SEMIJAX_TESTS_DONE_LOG")
+_SKIP_DONE = os.environ.get("SEMIJAX_TESTS_SKIP_DONE")
+
+
+def pytest_runtest_logreport(report):
+  if not _DONE_LOG or "PYTEST_XDIST_WORKER" in os.environ:
+    return
+  if report.skipped or (report.when == "call" and report.passed):
+    with open(_DONE_LOG, "a") as f:
+      f.write(report.nodeid + "\n")
+
+
+def pytest_collection_modifyitems(config, items):
+  if not _SKIP_DONE:
+    return
+  with open(_SKIP_DONE) as f:
+    done = set(f.read().split("\n"))
+  keep = [item for item in items if item.nodeid not in done]
+  config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+  items[:] = keep
