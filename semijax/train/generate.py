@@ -1,10 +1,11 @@
 """Text from a trained run's checkpoint (`experiments/sample.py`).
 
 `load` reads a workdir's config.json, restores its newest intact checkpoint (or a given step)
-onto one device, whatever layout and tensor device count it was trained with (the sharded
-logical form restores onto any), and pairs the model with the codec of its data: UTF-8 bytes
-for the text data sets and byte-level token shards, the shards' `tokenizer.json` otherwise.
-Pipelined runs' checkpoints are stacked by stage and are refused.
+onto one device, whatever layout, tensor device count and pipeline it was trained with, and
+pairs the model with the codec of its data: UTF-8 bytes for the text data sets and byte-level
+token shards, the shards' `tokenizer.json` otherwise. The sharded logical form restores onto
+any device count; a pipelined run's, stacked [stages * slots, ...] with its layers in order,
+restores onto one stage of exactly its layers, whose blocks are the unpipelined model's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from semijax import models
 from semijax.core import engine as engine_lib
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
+from semijax.core import pipeline as pipeline_lib
 from semijax.errors import ConfigError
 from semijax.models import sampling
 from semijax.train import checkpoint as checkpoint_lib
@@ -89,12 +91,26 @@ class Model:
     return self.codec.decode(out)
 
 
+def _pipelined_params(run, engine: engine_lib.Engine, ckpt: checkpoint_lib.Checkpointer,
+                      step: int):
+  """The parameters of a pipelined run's checkpoint, in `engine`'s logical form: restored onto
+  a one-stage pipeline (the stacked rows past the last layer, padding, are cut off), then its
+  rows become the blocks (`PipelineEngine.logical_arrays`)."""
+  stage = pipeline_lib.PipelineEngine(*models.build(run.model),
+                                      mesh_lib.make_pipeline_mesh(1, 1, 1, jax.devices()[:1]),
+                                      optimizer_lib.make(run.optimizer, run.steps))
+  arrays = stage.logical_arrays(ckpt.restore(stage.abstract_logical(), step)[0].params)
+  abstract = engine.abstract_logical().params
+  return jax.tree.map(lambda a, x: jax.device_put(x, a.sharding), abstract,
+                      jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(arrays)))
+
+
 def load(workdir: str, step: int | None = None) -> Model:
   """The model of the run in `workdir` at `step` (default: its newest intact checkpoint).
 
   Raises:
     ConfigError: naming --workdir or --step where there is no such run or checkpoint, or the
-      run is pipelined or not a language model.
+      run did not train a language model.
   """
   path = os.path.join(workdir, metrics_lib.CONFIG_NAME)
   if not os.path.isfile(path):
@@ -102,9 +118,6 @@ def load(workdir: str, step: int | None = None) -> Model:
                       "--workdir of a training run")
   with open(path) as f:
     config = ml_collections.ConfigDict(json.load(f))
-  if config.mesh.pipe > 1 or config.get("plan"):
-    raise ConfigError("--workdir: the run is pipelined; its checkpoints are stacked by stage "
-                      "and do not load onto one device")
   run = config_lib.validate(config)
   if run.model.name not in ("gpt", "llama"):
     raise ConfigError(f"--workdir: the run trained a {run.model.name!r} model; text comes from "
@@ -122,16 +135,19 @@ def load(workdir: str, step: int | None = None) -> Model:
     elif step not in ckpt.all_steps() or ckpt.verify(step, False) is not None:
       raise ConfigError(f"--step: no intact checkpoint {step} in {ckpt.directory} (there are "
                         f"{ckpt.all_steps()})")
-    model_fn, loss_terms = models.build(run.model)
-    engine = engine_lib.Engine(model_fn, loss_terms, mesh_lib.make_mesh(1, 1, jax.devices()[:1]),
+    engine = engine_lib.Engine(*models.build(run.model),
+                               mesh_lib.make_mesh(1, 1, jax.devices()[:1]),
                                optimizer_lib.make(run.optimizer, run.steps))
-    logical, _ = ckpt.restore(engine.abstract_logical(), step)
+    if config.mesh.pipe > 1 or config.get("plan"):
+      logical = _pipelined_params(run, engine, ckpt, step)
+    else:
+      logical = ckpt.restore(engine.abstract_logical(), step)[0].params
   finally:
     ckpt.close()
   units = run.model.num_units()
   layout = layout_lib.Layout.for_model(d_model=run.model.d_model, num_heads=units["heads"],
                                        d_ff=run.model.d_ff, num_devices=1)
-  params = engine.to_padded(logical, layout, donate=True).params
+  params = engine.to_padded(logical, layout, donate=True)
   plan = engine.plan(layout)
   logits = lambda params, tokens: engine.logits(params, {engine.input_key: tokens}, plan)
   return Model(run, step, params, logits, codec(run))
