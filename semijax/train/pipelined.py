@@ -4,7 +4,11 @@ devices a plan gives (`pipeline_setup`), driven by the training loop (`trainer.T
 
 `prepare` resolves a run's plan (the planner's, a plan file's or the config's), says it, shapes
 the run by it (its mesh and sync mode) and builds the executor. A pipelined checkpoint restores
-only onto as many stages (its logical form stacks layers per stage) and the same sync mode.
+onto another number of stages or tensor devices as well: its logical form stacks the layers in
+order, then padding rows, [stages * ceil(layers / stages), ...], so another stage count reads
+the same rows with fewer or more padding rows after them (and another tensor count the same
+units with other zeros after them). A replica sync mode's in-flight state is kept per stage, so
+such a run restores onto as many stages only; every run onto the same sync mode.
 
 With an emulation (`hetero.device_speeds` or `hetero.links`) every step is followed by the
 emulated devices' and links' time; the step's measured time is that plus the real compute, and
@@ -97,20 +101,26 @@ class Pipelined:
     self.state = self.engine.init(seed, self.setup.layout)
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> tuple[int, str]:
-    """Restores onto the plan's layout.
+    """Restores onto the plan's layout, on as many stages as the checkpoint's or (without a
+    replica sync mode) any other number (see module doc).
 
     Raises:
-      ConfigError: the checkpoint has another number of stages or another sync mode.
+      ConfigError: the checkpoint is unpipelined, has another sync mode, or has in-flight
+        replica state on another number of stages.
     """
     plan, run = self.setup.plan, self.run
     saved = meta.get("pipe")
-    if saved != plan.pipe:
-      where = "unpipelined" if saved is None else f"on {saved} stages"
+    if saved is None:
       raise ConfigError(
           f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved "
-          f"{where}, this run has {plan.pipe} stages; pipelined checkpoints restore onto the "
-          "same number of stages (use another --workdir)")
+          f"unpipelined, this run has {plan.pipe} stages; pipelined runs restore pipelined "
+          "checkpoints (use another --workdir)")
     checkpoint_lib.check_sync_mode(meta, run.sync.mode, step, ckpt.directory)
+    if saved != plan.pipe and run.sync.mode != "sync":
+      raise ConfigError(
+          f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved on "
+          f"{saved} stages with sync mode {run.sync.mode!r}, this run has {plan.pipe}; its "
+          "in-flight state restores onto as many stages (use another --workdir)")
     abstract = self.engine.abstract_logical()
     logical, meta = ckpt.restore(abstract, step)
     self.state = self.engine.to_padded(logical, self.setup.layout, donate=True)

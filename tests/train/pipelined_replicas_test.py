@@ -70,6 +70,10 @@ def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name)
   assert train_in(c(), workdir).get("already_trained")
   with pytest.raises(ConfigError, match=rf"config.sync.mode: the checkpoint .* by a '{mode}' run"):
     train_in(slow(config("sync", steps=6)), workdir)
+  with pytest.raises(ConfigError, match=rf"config.mesh.pipe: .* saved on 2 stages with sync "
+                     rf"mode '{mode}', this run has 4; its in-flight state"):
+    train_in(slow(config(mode, steps=6, **{"mesh.pipe": 4, "mesh.tensor": 1}, **extra)),
+             workdir)
 
 
 def test_a_scaled_ssaw_run_trains_like_the_unscaled_one_and_resumes_its_scale(tmp_path,

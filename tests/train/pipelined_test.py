@@ -2,14 +2,15 @@
 `train.pipeline_setup`).
 
 A pipelined run computes the same updates as an unpipelined one (its losses match step for
-step), resumes exactly from its checkpoints but refuses one saved on another number of stages,
-checks its config before compiling, and its emulated step is the planner's predicted step for
+step), resumes exactly from its checkpoints, also on another number of stages and tensor
+devices, but refuses an unpipelined one, checks its config before compiling, and its emulated step is the planner's predicted step for
 the plan it runs. `pipeline.layer_capacity` sets the layer slots every stage compiles and
 `hetero.device_memory_gb` bounds the planner's memory.
 """
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -66,7 +67,7 @@ def test_pipelined_run_matches_the_unpipelined_run(tmp_path):
   assert plan["stage_units"][1] == {"mlp": [0, 64], "heads": [0, 8]}
 
 
-def test_resume_continues_exactly_and_refuses_another_stage_count(tmp_path):
+def test_resume_continues_exactly_on_as_many_stages_or_another_number(tmp_path):
   piped = {"mesh.pipe": 2, "optimizer.schedule_steps": 4}     # one schedule for every part
   # Logged every 3 steps and validated at the last only; of its checkpoints (2, 4) one is kept.
   whole = train.train_and_evaluate(
@@ -77,15 +78,24 @@ def test_resume_continues_exactly_and_refuses_another_stage_count(tmp_path):
   assert os.listdir(tmp_path / "whole" / "checkpoints") == ["4"]
   workdir = str(tmp_path / "parts")
   train.train_and_evaluate(tiny(steps=2, **piped), workdir)
+  shutil.copytree(workdir, tmp_path / "three")
   resumed = train.train_and_evaluate(tiny(steps=4, **piped), workdir)
   assert resumed["start_step"] == 2
   np.testing.assert_allclose(resumed["losses"], whole["losses"][2:], rtol=1e-6)
+  # Checkpoint 2 (4 layers, 2 stages of 2 tensor devices) onto 3 stages of 1 (logical rows 4
+  # and 5 are padding).
+  three = train.train_and_evaluate(tiny(steps=4, **dict(piped, **{
+      "mesh.pipe": 3, "mesh.tensor": 1, "pipeline.layers": "1,2,1"})), str(tmp_path / "three"))
+  assert three["start_step"] == 2
+  np.testing.assert_allclose(three["losses"], whole["losses"][2:], rtol=2e-5)
   saved = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
-  with pytest.raises(ConfigError, match="config.mesh.pipe: .* on 2 stages, this run has 4"):
-    train.train_and_evaluate(tiny(steps=6, **{"mesh.pipe": 4, "mesh.tensor": 2}), workdir)
   with pytest.raises(ConfigError, match="config.mesh.pipe: .* pipelined run on 2 stages"):
     train.train_and_evaluate(tiny(steps=6), workdir)
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == saved
+  flat = str(tmp_path / "flat")
+  train.train_and_evaluate(tiny(steps=2), flat)
+  with pytest.raises(ConfigError, match="config.mesh.pipe: .* saved unpipelined, this run has 2"):
+    train.train_and_evaluate(tiny(steps=4, **piped), flat)
 
 
 def test_a_scaled_run_resumes_its_scale_and_trains_like_the_unscaled_one(tmp_path):
