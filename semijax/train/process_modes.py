@@ -21,6 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from semijax.core import engine as engine_lib
+from semijax.core import loss_scale
 from semijax.sync import real as real_lib
 from semijax.train import replica_modes
 
@@ -94,6 +95,7 @@ class Rounds:
     if ex.preemption is not None and ex.preemption.requested and not self._asked:
       self.store.set("stop", str(jax.process_index()))
       self._asked = True
+    scale = loss_scale.scale_of(ex.state.opt_state)    # what this replica's gradient is taken at
     ex.state, msg, terms = self.replica.next_round(ex.state, ex.batches.microbatch)
     self.cut = None
     if msg is None:
@@ -102,9 +104,11 @@ class Rounds:
       self.cut, self.stopping = msg.version, msg.stop
     if msg.snapshot and msg.source == jax.process_index():
       ex.snapshots.append((msg.elapsed_s, msg.samples, jax.device_get(ex.state.params)))
-    return terms, msg.samples, {"sync/elapsed_s": msg.elapsed_s,
-                                "sync/members": len(msg.members),
-                                "sync/max_staleness": max(msg.staleness)}
+    scalars = {"sync/elapsed_s": msg.elapsed_s, "sync/members": len(msg.members),
+               "sync/max_staleness": max(msg.staleness)}
+    if scale is not None:
+      scalars["train/loss_scale"] = float(scale)
+    return terms, msg.samples, scalars
 
   def finish(self) -> None:
     ex = self.ex
@@ -213,7 +217,10 @@ class LocalSGD:
     elapsed = time.perf_counter() - self.start
     self.log.append({"version": step, "elapsed_s": elapsed,
                          "samples": step * run.batch_size})
-    return terms, step * run.batch_size, {"sync/elapsed_s": elapsed, "sync/outer": float(outer)}
+    scalars = {"sync/elapsed_s": elapsed, "sync/outer": float(outer)}
+    if "loss_scale" in terms:            # the scale this replica's local step used
+      scalars["train/loss_scale"] = float(np.min(terms.pop("loss_scale")))
+    return terms, step * run.batch_size, scalars
 
   def finish(self) -> None:
     pass

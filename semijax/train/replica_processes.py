@@ -162,6 +162,7 @@ class ProcessReplicas:
       samples, self.finished = budget, True
     loss, accuracy = replica_modes.replica_loss(terms)
     metrics = {} if loss is None else {"loss": loss, "accuracy": accuracy}
+    metrics["loss_scale"] = scalars.pop("train/loss_scale", None)
     delta, self.seen = samples - self.seen, samples
     return executor_lib.StepResult(metrics, time.perf_counter() - t0,
                                    dict(scalars, **{"sync/samples": samples}), samples=delta,

@@ -42,8 +42,11 @@ OVERRIDES = {"model.seq_len": 16, "model.d_model": 32, "model.num_heads": 4, "mo
              "model.num_layers": 1, "layout.num_widths": 1, "batch_size": BATCH,
              "steps": STEPS, "eval_every": 2, "log_every": 1, "checkpoint_every": 0,
              "data.eval_batches": 1, "optimizer.warmup_steps": 2, "sync.staleness_bound": 2,
-             "sync.local_steps": 2}
-# The processes and the one-process run differ in summation order only (a replica's gradient
+             "sync.local_steps": 2, "optimizer.loss_scale": "dynamic",
+             "optimizer.loss_scale_period": 2}
+# Every run is under dynamic loss scaling, doubling every 2 finite steps from 2^15: a
+# power-of-two scale is exact in float32, so it leaves the comparisons below as they were, and
+# each process's gradients must be taken at its own state's scale and divided by it.# The processes and the one-process run differ in summation order only (a replica's gradient
 # vmapped over the data axis or not, a psum over processes or a sum over the axis): float32
 # rounding carried through a few Adam steps, about 3e-7 of the validation loss.
 RTOL = 1e-5
@@ -141,6 +144,9 @@ def test_ssaw_in_two_processes_matches_its_rounds_in_one_process(tmp_path, monke
         break
   assert [r["step"] for r in records] == list(range(1, len(mine) + 1))
   assert records[-1]["sync/samples"] == STEPS * BATCH
+  scales = np.log2([r["train/loss_scale"] for r in records])    # before each of its updates
+  assert scales[0] == 15 and scales[-1] > 15 and np.all(np.diff(scales) >= 0)
+  assert np.all(scales == np.round(scales))
 
   monkeypatch.setattr(timeline_lib, "Timeline",
                       lambda *args: RecordedRounds(rounds, *args))
@@ -158,6 +164,7 @@ def test_local_sgd_in_two_processes_matches_one_process(tmp_path):
   assert [p[1] for p in curve] == [2 * BATCH, 4 * BATCH, 6 * BATCH]   # evaluated at every average
   assert [r["step"] for r in records] == list(range(1, STEPS + 1))     # every local step once
   assert all(np.isfinite(r["train/loss"]) for r in records)
+  assert [r["train/loss_scale"] for r in records] == [2.0 ** (15 + i // 2) for i in range(STEPS)]
   single = train_one_process(tmp_path / "local_sgd_one", "local_sgd")
   assert_same_curve(curve, single["sync"]["curve"])
   np.testing.assert_allclose(records[-1]["val/loss"], single["val/loss"], rtol=RTOL)
