@@ -183,6 +183,10 @@ class PipelineEngine:
     """Host numpy copies of a logical tree in the unpipelined model's form."""
     return self.states.logical_arrays(logical)
 
+  def unstacked(self, logical, shardings: TrainState):
+    """A one-stage engine's logical state in the unpipelined model's form."""
+    return self.states.unstacked(logical, shardings)
+
   def state_shardings(self, params_abstract) -> TrainState:
     """Shardings of a padded train state with parameters shaped like `params_abstract`."""
     return self.states.state_shardings(params_abstract)

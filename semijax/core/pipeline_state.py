@@ -147,6 +147,25 @@ class PipeStates:
         for l in range(m.num_layers)}
     return out
 
+  def unstacked(self, logical, shardings: TrainState):
+    """A logical `TrainState` of one stage holding every layer ([L, ...] rows: `pipe` 1) in the
+    unpipelined model's form, placed with `shardings` (an `Engine.logical_shardings()` over
+    the same devices and tensor count): row l of every stacked parameter and of every
+    parameter-shaped part of the optimizer state (Adam's moments) is block l."""
+    if self.mesh.shape[PIPE] != 1:
+      raise ValueError(f"unstacked: the engine has {self.mesh.shape[PIPE]} stages, not 1")
+    stacked = lambda x: isinstance(x, dict) and set(x) == {SHARED, STACK}
+
+    def blocks(tree):
+      out = dict(tree[SHARED])
+      out["encoder"] = dict(out["encoder"], blocks={
+          l: jax.tree.map(lambda x, l=l: x[l], tree[STACK])
+          for l in range(self.model.num_layers)})
+      return out
+
+    flat = jax.tree.map(lambda x: blocks(x) if stacked(x) else x, logical, is_leaf=stacked)
+    return jax.device_put(flat, shardings)
+
   # --- moves between layouts --------------------------------------------------------------------
 
   def tree_axes(self, tree):

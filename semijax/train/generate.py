@@ -4,8 +4,8 @@
 onto one device, whatever layout, tensor device count and pipeline it was trained with, and
 pairs the model with the codec of its data: UTF-8 bytes for the text data sets and byte-level
 token shards, the shards' `tokenizer.json` otherwise. The sharded logical form restores onto
-any device count; a pipelined run's, stacked [stages * slots, ...] with its layers in order,
-restores onto one stage of exactly its layers, whose blocks are the unpipelined model's.
+any device count; a pipelined run's as an unpipelined run restores it
+(`tensor.restore_pipelined`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from semijax import models
 from semijax.core import engine as engine_lib
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
-from semijax.core import pipeline as pipeline_lib
 from semijax.errors import ConfigError
 from semijax.models import sampling
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import optimizer as optimizer_lib
+from semijax.train import tensor as tensor_lib
 from semijax.train import tokens as tokens_lib
 
 
@@ -91,20 +91,6 @@ class Model:
     return self.codec.decode(out)
 
 
-def _pipelined_params(run, engine: engine_lib.Engine, ckpt: checkpoint_lib.Checkpointer,
-                      step: int):
-  """The parameters of a pipelined run's checkpoint, in `engine`'s logical form: restored onto
-  a one-stage pipeline (the stacked rows past the last layer, padding, are cut off), then its
-  rows become the blocks (`PipelineEngine.logical_arrays`)."""
-  stage = pipeline_lib.PipelineEngine(*models.build(run.model),
-                                      mesh_lib.make_pipeline_mesh(1, 1, 1, jax.devices()[:1]),
-                                      optimizer_lib.make(run.optimizer, run.steps))
-  arrays = stage.logical_arrays(ckpt.restore(stage.abstract_logical(), step)[0].params)
-  abstract = engine.abstract_logical().params
-  return jax.tree.map(lambda a, x: jax.device_put(x, a.sharding), abstract,
-                      jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(arrays)))
-
-
 def load(workdir: str, step: int | None = None) -> Model:
   """The model of the run in `workdir` at `step` (default: its newest intact checkpoint).
 
@@ -139,7 +125,7 @@ def load(workdir: str, step: int | None = None) -> Model:
                                mesh_lib.make_mesh(1, 1, jax.devices()[:1]),
                                optimizer_lib.make(run.optimizer, run.steps))
     if config.mesh.pipe > 1 or config.get("plan"):
-      logical = _pipelined_params(run, engine, ckpt, step)
+      logical = tensor_lib.restore_pipelined(engine, ckpt, step)[0].params
     else:
       logical = ckpt.restore(engine.abstract_logical(), step)[0].params
   finally:

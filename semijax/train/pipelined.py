@@ -7,8 +7,9 @@ the run by it (its mesh and sync mode) and builds the executor. A pipelined chec
 onto another number of stages or tensor devices as well: its logical form stacks the layers in
 order, then padding rows, [stages * ceil(layers / stages), ...], so another stage count reads
 the same rows with fewer or more padding rows after them (and another tensor count the same
-units with other zeros after them). A replica sync mode's in-flight state is kept per stage, so
-such a run restores onto as many stages only; every run onto the same sync mode.
+units with other zeros after them), and onto an unpipelined run (`tensor.restore_pipelined`).
+A replica sync mode's in-flight state is kept per stage, so such a run restores onto as many
+stages only; every run onto the same sync mode.
 
 With an emulation (`hetero.device_speeds` or `hetero.links`) every step is followed by the
 emulated devices' and links' time; the step's measured time is that plus the real compute, and

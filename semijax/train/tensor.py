@@ -16,6 +16,7 @@ from semijax.balance import coordinator as coordinator_lib
 from semijax.core import emulation
 from semijax.core import engine as engine_lib
 from semijax.core import mesh as mesh_lib
+from semijax.core import pipeline as pipeline_lib
 from semijax.errors import ConfigError
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
@@ -73,6 +74,19 @@ def _counts(layout_json: dict, kind: str) -> tuple:
   return tuple(len(o) for o in layout_json[kind]["owned"])
 
 
+def restore_pipelined(engine: engine_lib.Engine, ckpt: checkpoint_lib.Checkpointer, step: int):
+  """(`engine`'s logical state, meta) from a pipelined checkpoint: restored onto one stage of
+  every layer over the engine's own devices and tensor count (the stacked rows past the last
+  layer, padding, cut off; each device holds what the unpipelined run holds), then unstacked."""
+  m = engine.mesh.shape
+  stage = pipeline_lib.PipelineEngine(
+      engine.model_fn, engine.loss_terms,
+      mesh_lib.make_pipeline_mesh(m[mesh_lib.DATA], 1, m[mesh_lib.TENSOR],
+                                  list(engine.mesh.devices.flat)), engine.tx)
+  logical, meta = ckpt.restore(stage.abstract_logical(), step)
+  return stage.unstacked(logical, engine.logical_shardings()), meta
+
+
 class TensorParallel:
   """The `executor.Executor` of a tensor-parallel run (`config.mesh.pipe` 1): every step runs on
   the layout the balancer picks for it (`Balancer.before_step` may migrate the state first).
@@ -119,18 +133,23 @@ class TensorParallel:
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> tuple[int, str]:
     """Restores onto the balancer's layout, which may differ from the saved one (another
-    layout or tensor device count), with the balancer's host state and priority snapshot."""
-    if "pipe" in meta:
-      raise ConfigError(
-          f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved by a "
-          f"pipelined run on {meta['pipe']} stages; it restores onto a pipelined run with as "
-          "many stages (use another --workdir)")
+    layout or tensor device count), with the balancer's host state and priority snapshot. A
+    pipelined run's checkpoint (sync mode) restores too (`restore_pipelined`)."""
     checkpoint_lib.check_sync_mode(meta, self.run.sync.mode, step, ckpt.directory)
     engine, layout = self.engine, self.balancer.layout
     abstract = engine.abstract_logical()
-    logical, meta = ckpt.restore(abstract, step)
-    saved_with = (f"MLP units {_counts(meta['layout'], 'mlp')}"
-                  f"{checkpoint_lib.dtype_change(meta, abstract)}")
+    if "pipe" in meta:
+      if self.run.sync.mode != "sync":
+        raise ConfigError(
+            f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved by "
+            f"a pipelined {self.run.sync.mode} run on {meta['pipe']} stages; its in-flight state "
+            "restores onto a pipelined run with as many stages (use another --workdir)")
+      logical, meta = restore_pipelined(engine, ckpt, step)
+      saved_with = f"pipelined, layers per stage {meta['plan']['stage_layers']}"
+    else:
+      logical, meta = ckpt.restore(abstract, step)
+      saved_with = f"MLP units {_counts(meta['layout'], 'mlp')}"
+    saved_with += checkpoint_lib.dtype_change(meta, abstract)
     # a policy that does not resize has no use for a resizing run's priority snapshot
     snapshot = ckpt.restore_snapshot(abstract.params, step) if self.balancer.resizes else None
     self.extra = {"balance": ckpt.restore_extra(step), "snapshot": None if snapshot is None else

@@ -120,6 +120,17 @@ def test_training_follows_the_unpipelined_engine():
     for tree in (got, want):
       del tree["encoder"]["blocks"][i]["attn"]["bk"]
   H.assert_trees_close(got, want, atol=1e-5)
+  # Unstacked onto the unpipelined form (through a one-stage engine, as a resume does), the
+  # whole state is the unpipelined engine's: parameters, Adam's moments and step counts.
+  one = pipeline.PipelineEngine(model_fn, tasks.language_model,
+                                mesh_lib.make_pipeline_mesh(1, 1, 2), tx)
+  got = one.unstacked(eng.to_logical(state, layout), flat.logical_shardings())
+  want = flat.to_logical(flat_state, flat_layout)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  no_bk = lambda tree: jax.tree_util.tree_map_with_path(
+      lambda path, x: 0 * x if "'bk'" in jax.tree_util.keystr(path) else x,
+      flat.logical_arrays(tree))
+  H.assert_trees_close(no_bk(got), no_bk(want), atol=1e-5)
 
 
 def test_layer_move_equals_relayout_bit_for_bit():

@@ -74,6 +74,10 @@ def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name)
                      rf"mode '{mode}', this run has 4; its in-flight state"):
     train_in(slow(config(mode, steps=6, **{"mesh.pipe": 4, "mesh.tensor": 1}, **extra)),
              workdir)
+  with pytest.raises(ConfigError, match=rf"config.mesh.pipe: .* saved by a pipelined {mode} "
+                     "run on 2 stages; its in-flight state"):
+    train_in(slow(config(mode, steps=6, **{"mesh.pipe": 1, "mesh.tensor": 4}, **extra)),
+             workdir)
 
 
 def test_a_scaled_ssaw_run_trains_like_the_unscaled_one_and_resumes_its_scale(tmp_path,

@@ -3,7 +3,7 @@
 
 A pipelined run computes the same updates as an unpipelined one (its losses match step for
 step), resumes exactly from its checkpoints, also on another number of stages and tensor
-devices, but refuses an unpipelined one, checks its config before compiling, and its emulated step is the planner's predicted step for
+devices or unpipelined, but refuses an unpipelined one, checks its config before compiling, and its emulated step is the planner's predicted step for
 the plan it runs. `pipeline.layer_capacity` sets the layer slots every stage compiles and
 `hetero.device_memory_gb` bounds the planner's memory.
 """
@@ -78,7 +78,8 @@ def test_resume_continues_exactly_on_as_many_stages_or_another_number(tmp_path):
   assert os.listdir(tmp_path / "whole" / "checkpoints") == ["4"]
   workdir = str(tmp_path / "parts")
   train.train_and_evaluate(tiny(steps=2, **piped), workdir)
-  shutil.copytree(workdir, tmp_path / "three")
+  for other in ("three", "unpiped"):
+    shutil.copytree(workdir, tmp_path / other)
   resumed = train.train_and_evaluate(tiny(steps=4, **piped), workdir)
   assert resumed["start_step"] == 2
   np.testing.assert_allclose(resumed["losses"], whole["losses"][2:], rtol=1e-6)
@@ -88,10 +89,12 @@ def test_resume_continues_exactly_on_as_many_stages_or_another_number(tmp_path):
       "mesh.pipe": 3, "mesh.tensor": 1, "pipeline.layers": "1,2,1"})), str(tmp_path / "three"))
   assert three["start_step"] == 2
   np.testing.assert_allclose(three["losses"], whole["losses"][2:], rtol=2e-5)
-  saved = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
-  with pytest.raises(ConfigError, match="config.mesh.pipe: .* pipelined run on 2 stages"):
-    train.train_and_evaluate(tiny(steps=6), workdir)
-  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == saved
+  # ... and onto an unpipelined run on 4 tensor devices.
+  unpiped = train.train_and_evaluate(tiny(steps=4, **{"optimizer.schedule_steps": 4,
+                                                      "mesh.tensor": 4}),
+                                     str(tmp_path / "unpiped"))
+  assert unpiped["start_step"] == 2
+  np.testing.assert_allclose(unpiped["losses"], whole["losses"][2:], rtol=2e-5)
   flat = str(tmp_path / "flat")
   train.train_and_evaluate(tiny(steps=2), flat)
   with pytest.raises(ConfigError, match="config.mesh.pipe: .* saved unpipelined, this run has 2"):
