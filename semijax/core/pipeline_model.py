@@ -27,6 +27,14 @@ def without_blocks(tree: dict) -> dict:
   return out
 
 
+def with_blocks(shared: dict, num_layers: int, block: Callable[[int], Any]) -> dict:
+  """`shared` (the model's state without its blocks) with `encoder.blocks` {l: block(l)} for
+  l < num_layers: the inverse of `without_blocks` (new dicts; `shared` is left as it is)."""
+  out = dict(shared)
+  out["encoder"] = dict(shared["encoder"], blocks={l: block(l) for l in range(num_layers)})
+  return out
+
+
 def stack_axes(a: sharding.Axes) -> sharding.Axes:
   """A block parameter's axes with the leading "layers" axis of the stacked form."""
   return sharding.Axes((LAYERS,) + tuple(a.names))

@@ -6,7 +6,6 @@ any `PipeLayout`, the moves between them (migrations, `core.migrate`) and their 
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any
 
@@ -140,12 +139,9 @@ class PipeStates:
       axis, kind = unit
       return np.take(x, np.arange(units[kind]), axis=axis)
 
-    out = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params[SHARED])
-    out = copy.deepcopy(out)
-    out["encoder"]["blocks"] = {
-        l: jax.tree.map(lambda x, a, l=l: cut(x, a, l), params[STACK], m.block_axes)
-        for l in range(m.num_layers)}
-    return out
+    return pipeline_model.with_blocks(
+        jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params[SHARED]), m.num_layers,
+        lambda l: jax.tree.map(lambda x, a: cut(x, a, l), params[STACK], m.block_axes))
 
   def unstacked(self, logical, shardings: TrainState):
     """A logical `TrainState` of one stage holding every layer ([L, ...] rows: `pipe` 1) in the
@@ -155,14 +151,8 @@ class PipeStates:
     if self.mesh.shape[PIPE] != 1:
       raise ValueError(f"unstacked: the engine has {self.mesh.shape[PIPE]} stages, not 1")
     stacked = lambda x: isinstance(x, dict) and set(x) == {SHARED, STACK}
-
-    def blocks(tree):
-      out = dict(tree[SHARED])
-      out["encoder"] = dict(out["encoder"], blocks={
-          l: jax.tree.map(lambda x, l=l: x[l], tree[STACK])
-          for l in range(self.model.num_layers)})
-      return out
-
+    blocks = lambda tree: pipeline_model.with_blocks(
+        tree[SHARED], self.model.num_layers, lambda l: jax.tree.map(lambda x: x[l], tree[STACK]))
     flat = jax.tree.map(lambda x: blocks(x) if stacked(x) else x, logical, is_leaf=stacked)
     return jax.device_put(flat, shardings)
 

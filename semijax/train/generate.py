@@ -124,7 +124,7 @@ def load(workdir: str, step: int | None = None) -> Model:
     engine = engine_lib.Engine(*models.build(run.model),
                                mesh_lib.make_mesh(1, 1, jax.devices()[:1]),
                                optimizer_lib.make(run.optimizer, run.steps))
-    if config.mesh.pipe > 1 or config.get("plan"):
+    if run.pipeline is not None:
       logical = tensor_lib.restore_pipelined(engine, ckpt, step)[0].params
     else:
       logical = ckpt.restore(engine.abstract_logical(), step)[0].params

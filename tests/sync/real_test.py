@@ -46,7 +46,8 @@ OVERRIDES = {"model.seq_len": 16, "model.d_model": 32, "model.num_heads": 4, "mo
              "optimizer.loss_scale_period": 2}
 # Every run is under dynamic loss scaling, doubling every 2 finite steps from 2^15: a
 # power-of-two scale is exact in float32, so it leaves the comparisons below as they were, and
-# each process's gradients must be taken at its own state's scale and divided by it.# The processes and the one-process run differ in summation order only (a replica's gradient
+# each process's gradients must be taken at its own state's scale and divided by it.
+# The processes and the one-process run differ in summation order only (a replica's gradient
 # vmapped over the data axis or not, a psum over processes or a sum over the axis): float32
 # rounding carried through a few Adam steps, about 3e-7 of the validation loss.
 RTOL = 1e-5

@@ -3,8 +3,9 @@
 
 A pipelined run computes the same updates as an unpipelined one (its losses match step for
 step), resumes exactly from its checkpoints, also on another number of stages and tensor
-devices or unpipelined, but refuses an unpipelined one, checks its config before compiling, and its emulated step is the planner's predicted step for
-the plan it runs. `pipeline.layer_capacity` sets the layer slots every stage compiles and
+devices or unpipelined (but does not take an unpipelined checkpoint), checks its config before
+compiling, and its emulated step is the planner's predicted step for the plan it runs.
+`pipeline.layer_capacity` sets the layer slots every stage compiles and
 `hetero.device_memory_gb` bounds the planner's memory.
 """
 
