@@ -29,7 +29,7 @@ padded to the longest with idle ticks.
 
 Where each part lives: `pipeline_layout` the layout and the plan of a step, `pipeline_model` the
 model's shared and stacked parts, `pipeline_state` the state forms and the moves between them,
-`pipeline_batch` the microbatched batch, `pipeline_step` the tick body, `pipeline_programs` the
+`pipeline_flat` the logical state in the unpipelined model's form (blocks apart), `pipeline_batch` the microbatched batch, `pipeline_step` the tick body, `pipeline_programs` the
 sharded, compiled programs; `PipelineEngine` (here) holds them together.
 """
 
@@ -47,6 +47,7 @@ from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import migrate
 from semijax.core import pipeline_batch
+from semijax.core import pipeline_flat
 from semijax.core import pipeline_layout
 from semijax.core import pipeline_model
 from semijax.core import pipeline_programs
@@ -184,8 +185,18 @@ class PipelineEngine:
     return self.states.logical_arrays(logical)
 
   def unstacked(self, logical, shardings: TrainState):
-    """A one-stage engine's logical state in the unpipelined model's form."""
-    return self.states.unstacked(logical, shardings)
+    """A one-stage engine's logical state in the unpipelined model's form
+    (`pipeline_flat.unstacked`)."""
+    return pipeline_flat.unstacked(self.states, logical, shardings)
+
+  def flat_abstract(self) -> TrainState:
+    """The abstract logical state in the unpipelined model's form, each block on its stage's
+    devices (`pipeline_flat.flat_abstract`)."""
+    return pipeline_flat.flat_abstract(self.states)
+
+  def stacked(self, flat) -> TrainState:
+    """The logical state of a `flat_abstract`-placed one (`pipeline_flat.stacked`)."""
+    return pipeline_flat.stacked(self.states, flat)
 
   def state_shardings(self, params_abstract) -> TrainState:
     """Shardings of a padded train state with parameters shaped like `params_abstract`."""

@@ -143,19 +143,6 @@ class PipeStates:
         jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params[SHARED]), m.num_layers,
         lambda l: jax.tree.map(lambda x, a: cut(x, a, l), params[STACK], m.block_axes))
 
-  def unstacked(self, logical, shardings: TrainState):
-    """A logical `TrainState` of one stage holding every layer ([L, ...] rows: `pipe` 1) in the
-    unpipelined model's form, placed with `shardings` (an `Engine.logical_shardings()` over
-    the same devices and tensor count): row l of every stacked parameter and of every
-    parameter-shaped part of the optimizer state (Adam's moments) is block l."""
-    if self.mesh.shape[PIPE] != 1:
-      raise ValueError(f"unstacked: the engine has {self.mesh.shape[PIPE]} stages, not 1")
-    stacked = lambda x: isinstance(x, dict) and set(x) == {SHARED, STACK}
-    blocks = lambda tree: pipeline_model.with_blocks(
-        tree[SHARED], self.model.num_layers, lambda l: jax.tree.map(lambda x: x[l], tree[STACK]))
-    flat = jax.tree.map(lambda x: blocks(x) if stacked(x) else x, logical, is_leaf=stacked)
-    return jax.device_put(flat, shardings)
-
   # --- moves between layouts --------------------------------------------------------------------
 
   def tree_axes(self, tree):

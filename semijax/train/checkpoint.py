@@ -58,6 +58,24 @@ def check_sync_mode(meta: dict, mode: str, step: int, directory: str) -> None:
         "another --workdir")
 
 
+def check_stages(meta: dict, mode: str, pipe: int | None, step: int, directory: str) -> None:
+  """Raises ConfigError when a replica sync mode's checkpoint was saved on another number of
+  pipeline stages (`pipe`; None: unpipelined) than this run has: its in-flight state (pending
+  gradients, replicas) is kept per stage. A "sync" checkpoint restores onto any."""
+  saved = meta.get("pipe")
+  if mode != "sync" and saved != pipe:
+    on = lambda p: "unpipelined" if p is None else f"on {p} stages"
+    raise ConfigError(
+        f"config.mesh.pipe: the checkpoint at step {step} in {directory} was saved {on(saved)} "
+        f"with sync mode {mode!r}, this run is {on(pipe)}; its in-flight state restores onto "
+        "as many stages only (use another --workdir)")
+
+
+def unit_counts(meta: dict, kind: str) -> tuple[int, ...]:
+  """Units of `kind` each device held in an unpipelined checkpoint's layout (its meta)."""
+  return tuple(len(o) for o in meta["layout"][kind]["owned"])
+
+
 def check_loss_scale(meta: dict, setting: str, step: int, directory: str) -> None:
   """Raises ConfigError when the checkpoint was saved under another resolved
   `config.optimizer.loss_scale` ("none" where it records none): the optimizer state holds the

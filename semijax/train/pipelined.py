@@ -7,7 +7,9 @@ the run by it (its mesh and sync mode) and builds the executor. A pipelined chec
 onto another number of stages or tensor devices as well: its logical form stacks the layers in
 order, then padding rows, [stages * ceil(layers / stages), ...], so another stage count reads
 the same rows with fewer or more padding rows after them (and another tensor count the same
-units with other zeros after them), and onto an unpipelined run (`tensor.restore_pipelined`).
+units with other zeros after them), and onto an unpipelined run (`tensor.restore_pipelined`);
+an unpipelined run's checkpoint restores too, each block onto its own stage's devices
+(`core.pipeline_flat`).
 A replica sync mode's in-flight state is kept per stage, so such a run restores onto as many
 stages only; every run onto the same sync mode.
 
@@ -31,7 +33,6 @@ import jax
 import numpy as np
 
 from semijax.core import emulation
-from semijax.errors import ConfigError
 from semijax.planner import plan as planner_plan
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
@@ -103,32 +104,29 @@ class Pipelined:
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> tuple[int, str]:
     """Restores onto the plan's layout, on as many stages as the checkpoint's or (without a
-    replica sync mode) any other number (see module doc).
+    replica sync mode) any other number, or from an unpipelined run's checkpoint (sync mode:
+    each block read onto its own stage's devices, `PipelineEngine.stacked`); see module doc.
 
     Raises:
-      ConfigError: the checkpoint is unpipelined, has another sync mode, or has in-flight
-        replica state on another number of stages.
+      ConfigError: the checkpoint has another sync mode, or in-flight replica state that this
+        run cannot take (on another number of stages, or unpipelined).
     """
     plan, run = self.setup.plan, self.run
     saved = meta.get("pipe")
-    if saved is None:
-      raise ConfigError(
-          f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved "
-          f"unpipelined, this run has {plan.pipe} stages; pipelined runs restore pipelined "
-          "checkpoints (use another --workdir)")
     checkpoint_lib.check_sync_mode(meta, run.sync.mode, step, ckpt.directory)
-    if saved != plan.pipe and run.sync.mode != "sync":
-      raise ConfigError(
-          f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved on "
-          f"{saved} stages with sync mode {run.sync.mode!r}, this run has {plan.pipe}; its "
-          "in-flight state restores onto as many stages (use another --workdir)")
+    checkpoint_lib.check_stages(meta, run.sync.mode, plan.pipe, step, ckpt.directory)
     abstract = self.engine.abstract_logical()
-    logical, meta = ckpt.restore(abstract, step)
+    if saved is None:
+      flat, meta = ckpt.restore(self.engine.flat_abstract(), step)
+      logical = self.engine.stacked(flat)
+      saved_with = f"unpipelined, MLP units {checkpoint_lib.unit_counts(meta, 'mlp')}"
+    else:
+      logical, meta = ckpt.restore(abstract, step)
+      saved_with = f"layers per stage {meta['plan']['stage_layers']}"
     self.state = self.engine.to_padded(logical, self.setup.layout, donate=True)
     if run.sync.mode != "sync":
       self.extra = ckpt.restore_extra(step)
-    return int(meta["data_position"]), (f"layers per stage {meta['plan']['stage_layers']}"
-                                        f"{checkpoint_lib.dtype_change(meta, abstract)}")
+    return int(meta["data_position"]), saved_with + checkpoint_lib.dtype_change(meta, abstract)
 
   def _batch(self, step: int) -> dict:
     return self.engine.arrange_batch(self.dataset.train_batch(step), self.counts)

@@ -17,7 +17,6 @@ from semijax.core import emulation
 from semijax.core import engine as engine_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import pipeline as pipeline_lib
-from semijax.errors import ConfigError
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import data as data_lib
@@ -68,10 +67,6 @@ def cached_engine(run: config_lib.RunConfig, cache: dict | None) -> engine_lib.E
   if key not in cache:
     cache[key] = build_engine(run)
   return cache[key]
-
-
-def _counts(layout_json: dict, kind: str) -> tuple:
-  return tuple(len(o) for o in layout_json[kind]["owned"])
 
 
 def restore_pipelined(engine: engine_lib.Engine, ckpt: checkpoint_lib.Checkpointer, step: int):
@@ -136,19 +131,15 @@ class TensorParallel:
     layout or tensor device count), with the balancer's host state and priority snapshot. A
     pipelined run's checkpoint (sync mode) restores too (`restore_pipelined`)."""
     checkpoint_lib.check_sync_mode(meta, self.run.sync.mode, step, ckpt.directory)
+    checkpoint_lib.check_stages(meta, self.run.sync.mode, None, step, ckpt.directory)
     engine, layout = self.engine, self.balancer.layout
     abstract = engine.abstract_logical()
     if "pipe" in meta:
-      if self.run.sync.mode != "sync":
-        raise ConfigError(
-            f"config.mesh.pipe: the checkpoint at step {step} in {ckpt.directory} was saved by "
-            f"a pipelined {self.run.sync.mode} run on {meta['pipe']} stages; its in-flight state "
-            "restores onto a pipelined run with as many stages (use another --workdir)")
       logical, meta = restore_pipelined(engine, ckpt, step)
       saved_with = f"pipelined, layers per stage {meta['plan']['stage_layers']}"
     else:
       logical, meta = ckpt.restore(abstract, step)
-      saved_with = f"MLP units {_counts(meta['layout'], 'mlp')}"
+      saved_with = f"MLP units {checkpoint_lib.unit_counts(meta, 'mlp')}"
     saved_with += checkpoint_lib.dtype_change(meta, abstract)
     # a policy that does not resize has no use for a resizing run's priority snapshot
     snapshot = ckpt.restore_snapshot(abstract.params, step) if self.balancer.resizes else None

@@ -71,11 +71,11 @@ def test_resume_continues_exactly(tmp_path, monkeypatch, mode, extra, cls, name)
   with pytest.raises(ConfigError, match=rf"config.sync.mode: the checkpoint .* by a '{mode}' run"):
     train_in(slow(config("sync", steps=6)), workdir)
   with pytest.raises(ConfigError, match=rf"config.mesh.pipe: .* saved on 2 stages with sync "
-                     rf"mode '{mode}', this run has 4; its in-flight state"):
+                     rf"mode '{mode}', this run is on 4 stages; its in-flight state"):
     train_in(slow(config(mode, steps=6, **{"mesh.pipe": 4, "mesh.tensor": 1}, **extra)),
              workdir)
-  with pytest.raises(ConfigError, match=rf"config.mesh.pipe: .* saved by a pipelined {mode} "
-                     "run on 2 stages; its in-flight state"):
+  with pytest.raises(ConfigError, match=rf"config.mesh.pipe: .* saved on 2 stages with sync "
+                     rf"mode '{mode}', this run is unpipelined; its in-flight state"):
     train_in(slow(config(mode, steps=6, **{"mesh.pipe": 1, "mesh.tensor": 4}, **extra)),
              workdir)
 

@@ -3,7 +3,7 @@
 
 A pipelined run computes the same updates as an unpipelined one (its losses match step for
 step), resumes exactly from its checkpoints, also on another number of stages and tensor
-devices or unpipelined (but does not take an unpipelined checkpoint), checks its config before
+devices or unpipelined, and from an unpipelined run's checkpoint, checks its config before
 compiling, and its emulated step is the planner's predicted step for the plan it runs.
 `pipeline.layer_capacity` sets the layer slots every stage compiles and
 `hetero.device_memory_gb` bounds the planner's memory.
@@ -20,6 +20,7 @@ import helpers as H
 from semijax.errors import ConfigError
 from semijax.planner import cluster as cluster_lib
 from semijax.planner import predict as predict_lib
+from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
 from semijax.train import loop as train
 from semijax.train import metrics
@@ -96,10 +97,28 @@ def test_resume_continues_exactly_on_as_many_stages_or_another_number(tmp_path):
                                      str(tmp_path / "unpiped"))
   assert unpiped["start_step"] == 2
   np.testing.assert_allclose(unpiped["losses"], whole["losses"][2:], rtol=2e-5)
+  # An unpipelined run's checkpoint (4 tensor devices) resumes on 2 stages of 2, each block read
+  # onto its stage's devices.
   flat = str(tmp_path / "flat")
-  train.train_and_evaluate(tiny(steps=2), flat)
-  with pytest.raises(ConfigError, match="config.mesh.pipe: .* saved unpipelined, this run has 2"):
-    train.train_and_evaluate(tiny(steps=4, **piped), flat)
+  train.train_and_evaluate(tiny(steps=2, **{"optimizer.schedule_steps": 4, "mesh.tensor": 4}),
+                           flat)
+  from_flat = train.train_and_evaluate(tiny(steps=4, **piped), flat)
+  assert from_flat["start_step"] == 2
+  np.testing.assert_allclose(from_flat["losses"], whole["losses"][2:], rtol=2e-5)
+
+
+@pytest.mark.parametrize("saved, pipe, said", [
+    ({}, 2, "saved unpipelined with sync mode 'ssaw', this run is on 2 stages"),
+    ({"pipe": 2}, None, "saved on 2 stages with sync mode 'ssaw', this run is unpipelined"),
+    ({"pipe": 2}, 3, "saved on 2 stages with sync mode 'ssaw', this run is on 3 stages")])
+def test_in_flight_replica_state_restores_onto_as_many_stages_only(saved, pipe, said):
+  """A replica mode's checkpoint is refused on another stage count (in-flight state is kept per
+  stage); a sync one, or one on as many stages, is not."""
+  with pytest.raises(ConfigError, match=rf"^config.mesh.pipe: the checkpoint at step 3 in /w "
+                     rf"was {said}; its in-flight state restores onto as many stages only"):
+    checkpoint_lib.check_stages(saved, "ssaw", pipe, 3, "/w")
+  checkpoint_lib.check_stages(saved, "sync", pipe, 3, "/w")
+  checkpoint_lib.check_stages(saved, "ssaw", saved.get("pipe"), 3, "/w")
 
 
 def test_a_scaled_run_resumes_its_scale_and_trains_like_the_unscaled_one(tmp_path):
