@@ -189,10 +189,10 @@ class PipelineEngine:
     (`pipeline_flat.unstacked`)."""
     return pipeline_flat.unstacked(self.states, logical, shardings)
 
-  def flat_abstract(self) -> TrainState:
+  def flat_abstract(self, elsewhere: Any = None) -> TrainState:
     """The abstract logical state in the unpipelined model's form, each block on its stage's
-    devices (`pipeline_flat.flat_abstract`)."""
-    return pipeline_flat.flat_abstract(self.states)
+    devices, or `elsewhere` for another process's stage (`pipeline_flat.flat_abstract`)."""
+    return pipeline_flat.flat_abstract(self.states, elsewhere)
 
   def stacked(self, flat) -> TrainState:
     """The logical state of a `flat_abstract`-placed one (`pipeline_flat.stacked`)."""

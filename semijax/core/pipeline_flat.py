@@ -18,6 +18,7 @@ moments) moves like the parameters.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,17 +71,28 @@ def _row_spec(spec: P) -> P:
   return P(*tuple(spec)[1:])
 
 
-def flat_abstract(states: PipeStates) -> TrainState:
+def _is_local(mesh: jax.sharding.Mesh) -> bool:
+  return any(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def flat_abstract(states: PipeStates, elsewhere: Any = None) -> TrainState:
   """The abstract logical state in the flat form: block l's leaves (the shape of one stacked
-  row, [...]) placed on stage l // R's devices, everything else as the logical state places it."""
+  row, [...]) placed on stage l // R's devices, everything else as the logical state places it.
+  With `elsewhere` set, the leaves of blocks whose stage has no device of this process are
+  `elsewhere` instead (a restore's "skip this leaf": the stage's own processes read them)."""
   abstract, meshes = states.abstract_logical(), stage_meshes(states)
   num_layers = states.model.num_layers
 
   def flat(tree):
     rows = jax.tree.leaves(tree[STACK])[0].shape[0] // states.stages
-    block = lambda l: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape[1:], x.dtype, sharding=NamedSharding(
-            meshes[l // rows], _row_spec(x.sharding.spec))), tree[STACK])
+
+    def block(l):
+      mesh = meshes[l // rows]
+      if elsewhere is not None and not _is_local(mesh):
+        return jax.tree.map(lambda x: elsewhere, tree[STACK])
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape[1:], x.dtype, sharding=NamedSharding(mesh, _row_spec(x.sharding.spec))),
+          tree[STACK])
     return pipeline_model.with_blocks(tree[SHARED], num_layers, block)
   return _map_params(flat, abstract)
 
@@ -99,7 +111,8 @@ def stacked(states: PipeStates, flat) -> TrainState:
   """The logical state of a flat one placed as `flat_abstract` says: stage s stacks its layers'
   rows [s R, (s + 1) R) (zeros past the last layer) on its devices, and the stages' pieces are
   joined into arrays [stages R, ...] split over `pipe` without a copy; the other leaves are put
-  where the logical state has them."""
+  where the logical state has them. Over several processes each stacks the stages it has
+  devices in (the blocks of the others are not read)."""
   meshes, shardings = stage_meshes(states), states.logical_shardings()
   abstract = states.abstract_logical()
   num_layers = states.model.num_layers
@@ -108,7 +121,7 @@ def stacked(states: PipeStates, flat) -> TrainState:
     rows = x.shape[0] // states.stages
     pieces = []
     for s, mesh in enumerate(meshes):
-      if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+      if not _is_local(mesh):
         continue                      # another process's stage: it stacks its own rows
       mine = blocks[s * rows:min(num_layers, (s + 1) * rows)]
       program = _stack_program(len(mine), rows, tuple(x.shape[1:]), x.dtype,

@@ -19,6 +19,7 @@ it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -90,6 +91,9 @@ def check_loss_scale(meta: dict, setting: str, step: int, directory: str) -> Non
 
 
 CHECKSUMS = "semijax_checksums.json"
+# A leaf of a restore's abstract tree that is not read (it comes back as itself): another
+# process's part of the state.
+SKIP = ocp.PLACEHOLDER
 
 
 def _digest(path: str) -> str:
@@ -280,6 +284,20 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract, strict=False), meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
+
+  def restore_parts(self, abstract, step: int | None = None):
+    """`restore` of a tree some of whose leaves are `SKIP`: those are not read (and come back
+    as `SKIP`), e.g. the layers of another process's pipeline stage, which could not be placed
+    on this process's devices. Read with a checkpointer of its own (the manager's handler
+    for the state does not take such trees)."""
+    step = self.latest_step() if step is None else step
+    args = jax.tree.map(lambda r: dataclasses.replace(r, strict=False)
+                        if isinstance(r, ocp.ArrayRestoreArgs) else r,
+                        ocp.checkpoint_utils.construct_restore_args(abstract))
+    with ocp.PyTreeCheckpointer() as reader:
+      state = reader.restore(os.path.join(self.folder(step), "state"),
+                             args=ocp.args.PyTreeRestore(item=abstract, restore_args=args))
+    return state, self.read_meta(step)
 
   def restore_snapshot(self, abstract, step: int | None = None):
     """The logical snapshot saved with `step` (sharded as `abstract`), or None."""

@@ -117,7 +117,7 @@ class Pipelined:
     checkpoint_lib.check_stages(meta, run.sync.mode, plan.pipe, step, ckpt.directory)
     abstract = self.engine.abstract_logical()
     if saved is None:
-      flat, meta = ckpt.restore(self.engine.flat_abstract(), step)
+      flat, meta = ckpt.restore_parts(self.engine.flat_abstract(checkpoint_lib.SKIP), step)
       logical = self.engine.stacked(flat)
       saved_with = f"unpipelined, MLP units {checkpoint_lib.unit_counts(meta, 'mlp')}"
     else:

@@ -2,11 +2,13 @@
 
 Each process has 4 CPU devices; the 2x4 (data x tensor) mesh spans both, each process feeding
 its rows of the global batch. The losses must match the same config run in one process on 8
-devices, also for a run stopped by SIGTERM whose newest checkpoints were then damaged.
+devices, also for a run stopped by SIGTERM whose newest checkpoints were then damaged, and for a
+pipeline of one stage per process, also resuming a one-process unpipelined run's checkpoint.
 """
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,25 +72,35 @@ def test_two_processes_match_one_process(tmp_path):
 def test_pipeline_across_two_processes_matches_one_process(tmp_path):
   # Stage 0 on process 0's four devices, stage 1 on process 1's: activations and cotangents
   # cross the processes by ppermute (gloo), the replicated parameters' gradients by psum.
-  workdir = tmp_path / "multi"
-  overrides = dict(OVERRIDES, **{"model.num_layers": 2, "mesh.pipe": 2,
-                                 "pipeline.microbatches": 2, "pipeline.layers": "1,1"})
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
-         "--config", os.path.join(ROOT, "configs", "gpt_tiny.py:cpu,tensor=4"),
-         "--workdir", str(workdir)] + [f"--config.{k}={v}" for k, v in overrides.items()]
-  result = launch.launch(cmd, 2, devices_per_process=4, timeout_s=TIMEOUT_S,
-                         log_dir=str(tmp_path))
-  assert result.returncodes == [0, 0], (result.failure_message() or
-                                        open(result.log_paths[0]).read()[-3000:])
   config = tiny_gpt(tensor=4, steps=4, mlp=(10, 30, 4, 20), heads=(3, 1, 2, 2))
   config.model.num_layers = 2
   config.eval_every, config.checkpoint_every = 2, 2
   single = train.train_and_evaluate(config, str(tmp_path / "single"))
-  records = metrics.read_jsonl(str(workdir / "metrics.jsonl"))
+  # The unpipelined run's checkpoint 2, resumed by the pipeline: each process reads only its
+  # own stage's block.
+  shutil.copytree(tmp_path / "single", tmp_path / "from_flat")
+  shutil.rmtree(tmp_path / "from_flat" / "checkpoints" / "4")
+  overrides = dict(OVERRIDES, **{"model.num_layers": 2, "mesh.pipe": 2,
+                                 "pipeline.microbatches": 2, "pipeline.layers": "1,1"})
+  for name in ("multi", "from_flat"):
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+           "--config", os.path.join(ROOT, "configs", "gpt_tiny.py:cpu,tensor=4"),
+           "--workdir", str(tmp_path / name)] + [f"--config.{k}={v}"
+                                                 for k, v in overrides.items()]
+    result = launch.launch(cmd, 2, devices_per_process=4, timeout_s=TIMEOUT_S,
+                           log_dir=str(tmp_path / f"{name}_logs"))
+    assert result.returncodes == [0, 0], (result.failure_message() or
+                                          open(result.log_paths[0]).read()[-3000:])
+  records = metrics.read_jsonl(str(tmp_path / "multi" / "metrics.jsonl"))
   assert [r["step"] for r in records] == [1, 2, 3, 4]
   np.testing.assert_allclose([r["train/loss"] for r in records], single["losses"], rtol=2e-5)
   np.testing.assert_allclose(records[-1]["val/loss"], single["val/loss"], rtol=2e-5)
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+  assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["2", "4"]
+  resumed = [r for r in metrics.read_jsonl(str(tmp_path / "from_flat" / "metrics.jsonl"))
+             if "train/loss" in r]
+  assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+  np.testing.assert_allclose([r["train/loss"] for r in resumed[2:]], single["losses"][2:],
+                             rtol=2e-5)
 
 
 def train_command(workdir, **overrides):
