@@ -29,7 +29,6 @@ from semijax.core import pipeline_model
 from semijax.core.engine import TrainState
 from semijax.core.pipeline_state import PipeStates
 
-PIPE = mesh_lib.PIPE
 SHARED, STACK = pipeline_model.SHARED, pipeline_model.STACK
 
 
@@ -38,11 +37,9 @@ def _is_params(x) -> bool:
   return isinstance(x, dict) and set(x) == {SHARED, STACK}
 
 
-def _map_params(fn, tree, *rest):
-  """`fn` on each pipelined parameter-shaped subtree of `tree` (with the matching subtrees of
-  `rest`, which may have any form there), the other leaves kept."""
-  return jax.tree.map(lambda x, *r: fn(x, *r) if _is_params(x) else x, tree, *rest,
-                      is_leaf=_is_params)
+def _map_params(fn, tree):
+  """`fn` on each pipelined parameter-shaped subtree of `tree`, the other leaves kept."""
+  return jax.tree.map(lambda x: fn(x) if _is_params(x) else x, tree, is_leaf=_is_params)
 
 
 def unstacked(states: PipeStates, logical, shardings: TrainState):
