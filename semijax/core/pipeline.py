@@ -29,7 +29,8 @@ padded to the longest with idle ticks.
 
 Where each part lives: `pipeline_layout` the layout and the plan of a step, `pipeline_model` the
 model's shared and stacked parts, `pipeline_state` the state forms and the moves between them,
-`pipeline_flat` the logical state in the unpipelined model's form (blocks apart), `pipeline_batch` the microbatched batch, `pipeline_step` the tick body, `pipeline_programs` the
+`pipeline_flat` the logical state in the unpipelined model's form (blocks apart),
+`pipeline_batch` the microbatched batch, `pipeline_step` the tick body, `pipeline_programs` the
 sharded, compiled programs; `PipelineEngine` (here) holds them together.
 """
 

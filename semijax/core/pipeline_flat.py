@@ -94,7 +94,6 @@ def flat_abstract(states: PipeStates, elsewhere: Any = None) -> TrainState:
   return _map_params(flat, abstract)
 
 
-@functools.lru_cache(maxsize=None)
 def _stack_program(count: int, rows: int, shape: tuple, dtype, sharding: NamedSharding):
   """jit: `count` arrays [*shape] -> [rows, *shape] (zero rows after them), placed by
   `sharding` (one stage's mesh)."""
@@ -110,28 +109,27 @@ def stacked(states: PipeStates, flat) -> TrainState:
   joined into arrays [stages R, ...] split over `pipe` without a copy; the other leaves are put
   where the logical state has them. Over several processes each stacks the stages it has
   devices in (the blocks of the others are not read)."""
-  meshes, shardings = stage_meshes(states), states.logical_shardings()
-  abstract = states.abstract_logical()
+  meshes, abstract = stage_meshes(states), states.abstract_logical()
   num_layers = states.model.num_layers
+  program = functools.cache(_stack_program)     # leaves of one shape share a program
+  put = lambda tree, like: jax.device_put(tree, jax.tree.map(lambda a: a.sharding, like))
 
-  def join(x, sharding, *blocks):
+  def join(x, *blocks):
     rows = x.shape[0] // states.stages
     pieces = []
     for s, mesh in enumerate(meshes):
       if not _is_local(mesh):
         continue                      # another process's stage: it stacks its own rows
       mine = blocks[s * rows:min(num_layers, (s + 1) * rows)]
-      program = _stack_program(len(mine), rows, tuple(x.shape[1:]), x.dtype,
-                               NamedSharding(mesh, P(None, *_row_spec(sharding.spec))))
-      pieces.append(program(*mine))
+      pieces.append(program(len(mine), rows, tuple(x.shape[1:]), x.dtype,
+                            NamedSharding(mesh, P(None, *_row_spec(x.sharding.spec))))(*mine))
     shards = [shard.data for piece in pieces for shard in piece.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
-  def stack(sharding, flat_tree, abstract_tree):
+  def stack(like, flat_tree):
     blocks = [flat_tree["encoder"]["blocks"][l] for l in range(num_layers)]
-    return {SHARED: jax.device_put(pipeline_model.without_blocks(flat_tree), sharding[SHARED]),
-            STACK: jax.tree.map(join, abstract_tree[STACK], sharding[STACK], *blocks)}
-  # The shardings lead: the flat state's parameter subtrees have another structure.
-  return jax.tree.map(
-      lambda s, f, a: stack(s, f, a) if _is_params(s) else jax.device_put(f, s),
-      shardings, flat, abstract, is_leaf=_is_params)
+    return {SHARED: put(pipeline_model.without_blocks(flat_tree), like[SHARED]),
+            STACK: jax.tree.map(join, like[STACK], *blocks)}
+  # The abstract state leads: the flat state's parameter subtrees have another structure.
+  return jax.tree.map(lambda a, f: stack(a, f) if _is_params(a) else put(f, a),
+                      abstract, flat, is_leaf=_is_params)
