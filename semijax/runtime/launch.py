@@ -22,7 +22,8 @@ and a TimeoutError names the processes still running. Ctrl-C kills all.
 
 SIGTERM to the launcher (a scheduler's preemption notice) is passed on to every process, which
 saves a checkpoint at its next step boundary and exits 0 (`semijax.train.preemption`); the
-launcher waits up to `stop_s` for them (SIGKILL after that) and exits 0 when all did.
+launcher waits up to `stop_s` for them and exits 0 when all did; one still running then writes
+its Python stacks to its log if it handles SIGUSR1 (train.py does), and is killed (SIGKILL).
 
 On the command line, process 0's output is echoed to the launcher's console as it comes, each
 line prefixed "[0] "; every process's output is in its log file.
@@ -267,20 +268,35 @@ def _live_members(pgids: set[int]) -> list[int]:
   return live
 
 
+def _catches(pid: int, sig: int) -> bool:
+  """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc/<pid>/status)."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+  except (OSError, StopIteration):
+    return False
+  return bool(mask >> (sig - 1) & 1)
+
+
 def _dump_stacks(procs: list[subprocess.Popen], wait_s: float = 2.0) -> None:
-  """Asks every running child for its Python threads' stacks in its log (SIGUSR1: train.py
-  registers `faulthandler` for it), so a timed-out job shows where it was."""
+  """Asks every running child that handles SIGUSR1 (train.py registers `faulthandler` for it)
+  for its Python threads' stacks in its log, so a job that timed out or did not stop shows
+  where it was. A child without a handler is not signalled: SIGUSR1 would end it."""
+  asked = False
   for p in procs:
-    if p.poll() is None:
+    if p.poll() is None and _catches(p.pid, signal.SIGUSR1):
       try:
         os.kill(p.pid, signal.SIGUSR1)
+        asked = True
       except ProcessLookupError:
         pass
-  time.sleep(wait_s)
+  if asked:
+    time.sleep(wait_s)
 
 
-def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _stop_all(procs: list[subprocess.Popen], grace_s: float, dump: bool = False) -> None:
   """SIGTERM every group, SIGKILL after grace_s; returns once no member of a group runs.
+  With `dump`, a child still running at grace_s first writes its stacks (`_dump_stacks`).
 
   The children are reaped; their own children (orphans now) may remain as zombies until init
   reaps them, but none runs.
@@ -293,6 +309,8 @@ def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
     while time.monotonic() < deadline and (None in [p.poll() for p in procs] or
                                            _live_members(pgids)):
       time.sleep(_POLL_S)
+    if dump:
+      _dump_stacks(procs)
   finally:   # also on a second Ctrl-C during the grace period
     for p in procs:
       _signal_group(p, signal.SIGKILL)   # stragglers in the group too, even if the leader exited
@@ -377,7 +395,7 @@ def launch(argv: list[str], num_processes: int, *, cores: list[list[int]] | None
         time.sleep(_POLL_S)
   except StopRequested:
     stopped = True
-    _stop_all(procs, stop_s)    # each saves at its next step boundary and exits
+    _stop_all(procs, stop_s, dump=True)    # each saves at its next step boundary and exits
   finally:
     _stop_all(procs, grace_s)   # a no-op once all exited; kills all on errors and Ctrl-C
     follow(final=True)

@@ -261,13 +261,20 @@ def test_command_line_passes_sigterm_on_and_echoes_process_0(tmp_path):
   assert not any(alive(p) for p in logged_pids(tmp_path))
 
 
-def test_a_process_that_does_not_stop_in_stop_s_is_killed(tmp_path):
+def test_a_process_that_does_not_stop_in_stop_s_writes_its_stacks_and_is_killed(tmp_path):
+  # Process 1 ignores the SIGTERM and handles SIGUSR1 as train.py does: asked for its stacks, it
+  # shows where it hung. Process 0 ignores it too but has no SIGUSR1 handler (which would end it
+  # with -10 and no stacks): it is left alone until the SIGKILL.
   ignoring = STOPPABLE.replace("sys.exit(0)", "pass")
-  proc = launched(tmp_path, STOPPABLE, ignoring, flags=["--stop_s=1"])
+  dumping = ("import faulthandler, signal\n"
+             "faulthandler.register(signal.SIGUSR1, all_threads=True)\n" + ignoring)
+  proc = launched(tmp_path, ignoring, dumping, flags=["--stop_s=1"])
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=30)
   assert proc.returncode == 1
-  assert "process 1 exited with code -9" in err
+  assert "process 0 exited with code -9" in err and "all codes [-9, -9]" in err
+  assert "most recent call first" in (tmp_path / "process1.log").read_text()
+  assert "most recent call first" not in (tmp_path / "process0.log").read_text()
   assert not any(alive(p) for p in logged_pids(tmp_path))
 
 
