@@ -163,10 +163,13 @@ class CostModel:
     self.resize_mode, self.fractions = resize_mode, tuple(fractions)
     gemm = self.unit_flops if gemm_flops is None else gemm_flops
     self.gemm_share = {k: (gemm.get(k, 0.0) / f if f else 1.0) for k, f in self.unit_flops.items()}
-    # The remembered steps, newest last: weights [S], work [S, N], speeds [S, N], seconds [S].
+    # The remembered steps, newest last: weights [S], work [S, N], speeds [S, N], seconds [S];
+    # and their critical loads x [R, S] at each repeat of the grid `_x_grid` (`_fits`).
     self._w = self._y = np.zeros(0)
     self._work = self._speeds = np.zeros((0, 0))
     self._busy = np.zeros((0, 0), bool)
+    self._x, self._x_grid = np.zeros((0, 0)), None
+    self._last = None        # (setup, work, busy) of the last `observe`: a run repeats its setup
 
   def executed(self, kind: str, count: int) -> int:
     """The bucket width a device with `count` computed units of `kind` executes."""
@@ -273,8 +276,16 @@ class CostModel:
     follows the measurements.
     """
     y = measured_s
-    work, speeds, computes = self.work(setup), np.asarray(speeds, np.float64), busy(setup)
-    x = self._critical(work, speeds, computes)
+    if self._last is None or self._last[0] != setup:
+      self._last = setup, self.work(setup), busy(setup)
+    _, work, computes = self._last
+    speeds = np.asarray(speeds, np.float64)
+    grid = sorted({self.repeat_prior, *REPEAT_GRID} if self.fit_repeat else {self.repeat})
+    repeats = np.asarray(grid)
+    # The step's critical load at every repeat of the grid, the held one's (`_critical`) among
+    # them (the held repeat is the prior or a fit's, on the grid).
+    column = _critical_loads(work, speeds, computes, repeats[:, None])   # [R]
+    x = float(column[grid.index(self.repeat)])
     if not (y > 0 and math.isfinite(y)) or x <= 0:
       return
     keep = self._w * self.forget > 1e-3
@@ -282,14 +293,18 @@ class CostModel:
       keep[:] = False
       self._work = self._speeds = np.zeros((0, len(work)))
       self._busy = np.zeros((0, len(work)), bool)
-    self._w = np.append(self._w[keep] * self.forget, 1.0)
-    self._work = np.vstack([self._work[keep], work[None]])
-    self._speeds = np.vstack([self._speeds[keep], speeds[None]])
-    self._busy = np.vstack([self._busy[keep], computes[None]])
-    self._y = np.append(self._y[keep], y)
-    grid = np.array(sorted({self.repeat_prior, *REPEAT_GRID} if self.fit_repeat
-                           else {self.repeat}))
-    lines = {float(r): f for r, f in zip(grid, self._fits(grid)) if f is not None}
+    self._w = np.concatenate([self._w[keep] * self.forget, [1.0]])
+    self._work = np.concatenate([self._work[keep], work[None]])
+    self._speeds = np.concatenate([self._speeds[keep], speeds[None]])
+    self._busy = np.concatenate([self._busy[keep], computes[None]])
+    self._y = np.concatenate([self._y[keep], [y]])
+    if grid == self._x_grid and self._x.shape[1] == len(keep):
+      # The remembered steps' loads do not change: only the new step's are added (in C order,
+      # as `_loads_at` gives them: the products in `_fits` depend on the layout).
+      self._x = np.ascontiguousarray(np.concatenate([self._x[:, keep], column[:, None]], axis=1))
+    else:
+      self._x, self._x_grid = self._loads_at(repeats), grid
+    lines = {r: f for r, f in zip(grid, self._fits(repeats, self._x)) if f is not None}
     fits = {r: f[:3] for r, f in lines.items() if f[3]}
     held = lines.get(self.repeat)
     self._hold_or_switch(fits, held[2] if held is not None and held[1] > 0 else None)
@@ -326,32 +341,34 @@ class CostModel:
     if wins >= REPEAT_CONFIRM:
       self.repeat, self._challenger = best, (None, 0)
 
-  def _fits(self, repeats: np.ndarray) -> list:
+  def _loads_at(self, repeats: np.ndarray) -> np.ndarray:
+    """x [R, S]: each remembered step's critical load with each of `repeats` [R]."""
+    return _critical_loads(self._work[None], self._speeds[None], self._busy[None],
+                           repeats[:, None, None])
+
+  def _fits(self, repeats: np.ndarray, x: np.ndarray | None = None) -> list:
     """For each of `repeats` [R]: (fixed_s, per_load_s, 1 - R^2, trusted) of the line through
     the remembered points with that `repeat`, or None where there are too few points or the
     load has not varied; `trusted` as in `observe` (a rising line through a non-negative
-    intercept that explains `MIN_FIT_R2` of the variance)."""
+    intercept that explains `MIN_FIT_R2` of the variance). `x`: `_loads_at(repeats)` if known."""
     w, y = self._w, self._y
     n = w.sum()
     if n < MIN_FIT_SAMPLES:
       return [None] * len(repeats)
-    # x [R, S]: each remembered step's critical load with each repeat.
-    x = _critical_loads(self._work[None], self._speeds[None], self._busy[None],
-                        repeats[:, None, None])
+    x = self._loads_at(repeats) if x is None else x                      # [R, S]
     mx, my = x @ w / n, (w * y).sum() / n
-    var, vary = ((x - mx[:, None]) ** 2) @ w / n, (w * (y - my) ** 2).sum() / n
-    cov = (x - mx[:, None]) @ (w * (y - my)) / n
-    out = []
-    for v, c, m in zip(var, cov, mx):
-      if not (v > (MIN_LOAD_SPREAD * m) ** 2 and vary > 0):
-        out.append(None)
-        continue
-      b = c / v
-      a = my - b * m
-      r2 = c * c / (v * vary)
-      out.append((float(a), float(b), float(1.0 - r2),
-                  bool(b > 0 and 0 <= a < my and r2 >= MIN_FIT_R2)))
-    return out
+    dx, dy = x - mx[:, None], y - my
+    var, vary = (dx ** 2) @ w / n, (w * dy ** 2).sum() / n
+    cov = dx @ (w * dy) / n
+    # Every repeat's line at once (elementwise: the same arithmetic as one at a time).
+    fitted = (var > (MIN_LOAD_SPREAD * mx) ** 2) & (vary > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      b = cov / var
+      a = my - b * mx
+      r2 = cov * cov / (var * vary)
+    trusted = (b > 0) & (0 <= a) & (a < my) & (r2 >= MIN_FIT_R2)
+    return [(a_, b_, 1.0 - r2_, t) if f else None for f, a_, b_, r2_, t in zip(
+        fitted.tolist(), a.tolist(), b.tolist(), r2.tolist(), trusted.tolist())]
 
   def observe_move(self, seconds: float) -> None:
     self.move_s = (seconds if self.move_s <= 0

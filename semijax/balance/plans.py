@@ -40,6 +40,7 @@ class PlanCache:
   def __init__(self, engine, policy, buckets: buckets_lib.Buckets):
     self.engine, self.policy, self.buckets = engine, policy, buckets
     self._plans: dict = {}
+    self._variants = None    # (layout, its `kinds`, whether it has `uniform_widths`)
 
   def kinds(self, layout: layout_lib.Layout) -> tuple[str, ...]:
     """The variants the policy may run in `layout`'s bucket."""
@@ -47,12 +48,14 @@ class PlanCache:
 
   def kind(self, layout: layout_lib.Layout, setup: Setup) -> str:
     """The variant a step of `setup` in `layout` runs (RuntimeError if it was not warmed up)."""
-    kinds = self.kinds(layout)
+    if self._variants is None or self._variants[0] is not layout:   # a run keeps its layout
+      self._variants = (layout, self.kinds(layout), plan_lib.uniform_widths(layout) is not None)
+    _, kinds, uniform = self._variants
     if setup.keep is not None:
       want = "resized"
     elif setup.offloaded:
       want = "offload"
-    elif "single" in kinds and plan_lib.uniform_widths(layout) is not None:
+    elif "single" in kinds and uniform:
       want = "single"
     else:
       want = "branched"

@@ -198,15 +198,29 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
   features = np.zeros((steps, len(stepcost.OVERHEADS) + 4))
   fixed = np.zeros(steps)
   speed_sum = np.zeros((c.pipe, c.tensor))
+  coefs = coefficients(hw)
   ideal = 0.0
   clock = 0.0
 
+  widths_of: dict = {}   # by the plans' `executed` objects, which the stages cache and repeat
+
+  def stage_widths(plans):
+    """{kind: float [S, T, L]}: what every stage's devices execute in `plans`."""
+    key = tuple(id(p.executed) for p in plans)
+    if key not in widths_of:       # (an entry holds the plans' objects: their ids stay theirs)
+      widths = {k: np.zeros((s_, c.tensor, l_max)) for k in w.spec.num_units()}
+      for i, p in enumerate(plans):
+        for k, e in p.executed.items():
+          widths[k][i, :, :e.shape[1]] = e
+      if len(widths_of) >= stepcost.MEMO_ENTRIES:
+        widths_of.clear()
+      widths_of[key] = [p.executed for p in plans], widths
+    return widths_of[key][1]
+
   def step_time(step, plans, speeds, links):
-    """(the step's `stepcost.StepTime`, its seconds, sampled times float [S, T])."""
-    widths = {k: np.zeros((s_, c.tensor, l_max)) for k in w.spec.num_units()}
-    for i, p in enumerate(plans):
-      for k, e in p.executed.items():
-        widths[k][i, :, :e.shape[1]] = e
+    """(the step's `stepcost.StepTime`, its seconds, sampled times float [S, T], each position's
+    slowest replica's speed float [S, T])."""
+    widths = stage_widths(plans)
     extra = np.array([tensor_link.seconds(p.offload_bytes) if p.offload_bytes else 0.0
                       for p in plans])
     physical = np.ones(c.shape) if emulator is not None else speeds
@@ -219,20 +233,21 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
     position = speeds.min(axis=0)                                     # [S, T]
     noise = np.exp(rng.normal(0.0, hw.sample_noise, position.shape)) if hw.sample_noise else (
         np.ones(position.shape))
-    return t, seconds, noise / position
+    return t, seconds, noise / position, position
 
   if any(st.sampler is not None and st.script is None for st in stages):
     # Warm-up's timed trial step (`warmup.WarmUp._trial`), at the trace's start, off the clock.
     flat, links = trace.at(0, clock)
-    _, seconds, times = step_time(0, [st.plan(0) for st in stages], flat.reshape(c.shape), links)
+    _, seconds, times, _ = step_time(0, [st.plan(0) for st in stages], flat.reshape(c.shape),
+                                     links)
     for i, st in enumerate(stages):
       st.trial(0, seconds, times[i])
   for step in range(steps):
     flat, links = trace.at(step, clock)
     speeds = flat.reshape(c.shape)
     plans = [st.before_step(step) for st in stages]
-    t, seconds, times = step_time(step, plans, speeds, links)
-    speed_sum += speeds.min(axis=0)
+    t, seconds, times, position = step_time(step, plans, speeds, links)
+    speed_sum += position
     sampled = False
     for i, st in enumerate(stages):
       sampled |= st.after_step(step, seconds, times[i]) is not None
@@ -240,7 +255,7 @@ def simulate(run: Run, trace: traces_lib.Trace) -> Result:
     total = seconds + move + (hw.sample_s if sampled else 0.0)
     step_s[step] = total
     features[step] = t.features
-    fixed[step] = total - features[step] @ coefficients(hw)
+    fixed[step] = total - features[step] @ coefs
     ideal += nominal / float(flat.mean()) if emulator is None else np.nan
     clock += total
   return Result(run.policy, step_s, float(w.tokens_per_replica * c.data), ideal,

@@ -19,7 +19,8 @@ tracker turns samples into regimes. Per step:
 Nothing of the decision logic is copied: a change to the controller, the cost model, the
 policies or the tracker changes the simulation. A *scripted* stage (`script`: the setups a
 measured run's decision log recorded, by step) takes those setups instead of deciding, and runs
-everything else the same way: a replay of what a run did, to check the costs alone.
+everything else the same way: a replay of what a run did, to check the costs alone. Its cost
+model, which serves only the decisions, is not calibrated (that took most of a replay's time).
 
 The stage's tensor positions see the speeds of the slowest replica at each position, as
 `balance.speed.tensor_times` gives a real run: one layout serves every data-parallel replica of
@@ -137,6 +138,7 @@ class StageBalancer:
     self._sample = None
     self._new_regime = False
     self._executed: dict = {}
+    self._layout_key = (None, None)    # (layout, its part of a `_widths` key)
 
   # --- warm-up --------------------------------------------------------------------------------
 
@@ -196,7 +198,10 @@ class StageBalancer:
   def _widths(self, kind: str, setup: Setup, resize, version: int) -> dict:
     """`core.plan.executed_widths` of the step (cached like `PlanCache.plan`)."""
     layout = self.layout
-    key = (tuple((k, u.capacity, u.counts) for k, u in layout.kinds().items()), kind,
+    if self._layout_key[0] is not layout:              # (a run keeps its layout for many steps)
+      self._layout_key = layout, tuple((k, u.capacity, u.counts)
+                                       for k, u in layout.kinds().items())
+    key = (self._layout_key[1], kind,
            setup.keep, tuple(sorted(setup.computed.items())) if kind == "offload" else None,
            version if kind == "resized" else None)
     if key not in self._executed:
@@ -239,7 +244,8 @@ class StageBalancer:
     if sample is not None:
       self._sample = sample
       self._new_regime |= sample.new_regime
-      self.controller.cost.observe(self.controller.setup, sample.speeds, sample.mean_s)
+      if self.script is None:                       # (a scripted stage decides nothing)
+        self.controller.cost.observe(self.controller.setup, sample.speeds, sample.mean_s)
     return sample
 
   def trial(self, step: int, step_s: float, times=None) -> None:
