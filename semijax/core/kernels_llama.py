@@ -30,8 +30,9 @@ SWIGLU_UNITS = ((1, 1), (1, 1), (0, 1))          # (unit axis, unit size) of w_g
 GQA_UNITS = ((1, 1), (1, 1), (1, 1), (0, 1))     # of wq, wk, wv, wo: one KV group per index
 
 
-def rope(x: jax.Array, theta: float = ROPE_THETA) -> jax.Array:
-  """Rotary position embedding of x [..., seq, heads, head_dim] at positions 0..seq-1.
+def rope(x: jax.Array, theta: float = ROPE_THETA, offset=0) -> jax.Array:
+  """Rotary position embedding of x [..., seq, heads, head_dim] at positions offset ..
+  offset + seq - 1 (`offset` an int or int32 scalar: where a decoding step's tokens sit).
 
   The halves convention: feature i < head_dim/2 pairs with i + head_dim/2 and the pair turns by
   position * theta^(-2i/head_dim). Computed in float32, returned in x's dtype.
@@ -39,7 +40,8 @@ def rope(x: jax.Array, theta: float = ROPE_THETA) -> jax.Array:
   seq, head_dim = x.shape[-3], x.shape[-1]
   half = head_dim // 2
   freq = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)      # [half]
-  angle = (jnp.arange(seq, dtype=jnp.float32)[:, None] * freq)[:, None, :]      # [seq, 1, half]
+  position = (jnp.arange(seq) + offset).astype(jnp.float32)
+  angle = (position[:, None] * freq)[:, None, :]                               # [seq, 1, half]
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   xf = x.astype(jnp.float32)
   x1, x2 = xf[..., :half], xf[..., half:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -60,6 +61,19 @@ class GPT(nnx.Module):
   def head_out(self, x: jnp.ndarray) -> jnp.ndarray:
     """The last block's output [batch, seq, d_model] -> logits [batch, seq, vocab_size]."""
     return self.head(self.encoder.ln_f(x))
+
+  def init_cache(self, batch: int, length: int) -> list:
+    """Every block's empty key/value cache [batch, length, C, head_dim] (local)."""
+    return layers.init_cache(self.encoder.blocks, batch, length)
+
+  def decode(self, tokens: jnp.ndarray, cache: list, pos, plan: plan_lib.Plan):
+    """tokens int32 [batch, T] at positions pos .. pos + T - 1 (pos + T <= seq_len), after the
+    tokens whose keys and values `cache` holds -> (logits float32 [batch, T, vocab_size], the
+    cache with theirs too)."""
+    table = layers.read((self.pos,), self.precision)[0]
+    x = self.embed(tokens) + jax.lax.dynamic_slice_in_dim(table, pos, tokens.shape[-1])
+    x, cache = layers.decode_blocks(self.encoder.blocks, x, cache, pos, plan)
+    return self.head_out(x), cache
 
   def unit_sizes(self) -> dict:
     """Entries per unit along each unit axis."""

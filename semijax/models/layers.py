@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from semijax.core import kernels
+from semijax.core import kv_cache
 from semijax.core import plan as plan_lib
 from semijax.core import precision as precision_lib
 from semijax.core import remat
@@ -107,6 +108,19 @@ class Attention(nnx.Module):
     units = kernels.attention_units(self.head_dim)
     return tp.row_parallel(plan, "heads", fn, x, *weights, units=units) + bo
 
+  def init_cache(self, batch: int, length: int) -> tuple:
+    """Empty keys and values [batch, length, C, head_dim] of this device's C head slots."""
+    heads = self.wk.shape[1] // self.head_dim
+    return kv_cache.empty(batch, length, heads, self.head_dim, self.precision.compute)
+
+  def decode(self, x, cache: tuple, pos):
+    """x: [batch, T, d_model] at positions pos .. pos + T - 1 -> (the same shape, replicated;
+    the cache with their keys and values), over every head slot (`core.kv_cache`)."""
+    *weights, bo = read((self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo,
+                         self.bo), self.precision)
+    y, cache = kv_cache.gpt_attention(x, *weights, cache, pos, head_dim=self.head_dim)
+    return y + bo, cache
+
 
 class Block(nnx.Module):
   """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
@@ -123,6 +137,13 @@ class Block(nnx.Module):
     kind's LayerNorm (`core.repeated.normed`)."""
     x = x + self.attn(repeated.normed(self.ln1, x, plan, "heads"), plan)
     return x + self.mlp(repeated.normed(self.ln2, x, plan, "mlp"), plan)
+
+  def decode(self, x, cache: tuple, pos, plan: plan_lib.Plan):
+    """`__call__` of x [batch, T, d_model] at positions pos .. pos + T - 1 with the attention's
+    key/value cache: (the same shape, the new cache)."""
+    a, cache = self.attn.decode(repeated.normed(self.ln1, x, plan, "heads"), cache, pos)
+    x = x + a
+    return x + self.mlp(repeated.normed(self.ln2, x, plan, "mlp"), plan), cache
 
 
 class Encoder(nnx.Module):
@@ -144,3 +165,18 @@ class Encoder(nnx.Module):
     for i, block in enumerate(self.blocks):
       x = remat.run_block(block, x, plan.layer(i), self.remat_policy)
     return x
+
+
+def init_cache(blocks, batch: int, length: int) -> list:
+  """Each block's empty key/value cache (local, `core.kv_cache`)."""
+  return [block.attn.init_cache(batch, length) for block in blocks]
+
+
+def decode_blocks(blocks, x, cache: list, pos, plan: plan_lib.Plan):
+  """The blocks on x [batch, T, d_model] at positions pos .. pos + T - 1, each with its cache:
+  (the last block's output, every block's new cache)."""
+  out = []
+  for i, (block, c) in enumerate(zip(blocks, cache)):
+    x, c = block.decode(x, c, pos, plan.layer(i))
+    out.append(c)
+  return x, out

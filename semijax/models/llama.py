@@ -86,6 +86,16 @@ class Llama(nnx.Module):
     table = layers.read((self.embed.embedding,), self.precision)[0]       # [vocab, d_model]
     return jnp.einsum("...d,vd->...v", x, table, preferred_element_type=jnp.float32)
 
+  def init_cache(self, batch: int, length: int) -> list:
+    """Every block's empty key/value cache [batch, length, C, head_dim] (local: C KV groups)."""
+    return layers.init_cache(self.encoder.blocks, batch, length)
+
+  def decode(self, tokens: jnp.ndarray, cache: list, pos, plan: plan_lib.Plan):
+    """tokens int32 [batch, T] at positions pos .. pos + T - 1, after the tokens whose keys and
+    values `cache` holds -> (logits float32 [batch, T, vocab], the cache with theirs too)."""
+    x, cache = layers.decode_blocks(self.encoder.blocks, self.stem(tokens), cache, pos, plan)
+    return self.head_out(x), cache
+
   def unit_sizes(self) -> dict:
     """Entries per unit along each unit axis: one hidden unit, one KV group."""
     return {"mlp": 1, "heads": 1}

@@ -17,6 +17,7 @@ import functools
 from flax import nnx
 
 from semijax.core import kernels_llama
+from semijax.core import kv_cache
 from semijax.core import plan as plan_lib
 from semijax.core import remat
 from semijax.core import repeated
@@ -86,6 +87,17 @@ class GroupedAttention(nnx.Module):
     weights = layers.read((self.wq, self.wk, self.wv, self.wo), self.precision)
     return tp.row_parallel(plan, "heads", fn, x, *weights, units=kernels_llama.GQA_UNITS)
 
+  def init_cache(self, batch: int, length: int) -> tuple:
+    """Empty keys and values [batch, length, C, head_dim] of this device's C KV group slots."""
+    return kv_cache.empty(batch, length, self.wk.shape[1], self.head_dim,
+                          self.precision.compute)
+
+  def decode(self, x, cache: tuple, pos):
+    """x: [batch, T, d_model] at positions pos .. pos + T - 1 -> (the same shape, replicated;
+    the cache with their keys and values), over every group slot (`core.kv_cache`)."""
+    weights = layers.read((self.wq, self.wk, self.wv, self.wo), self.precision)
+    return kv_cache.grouped_attention(x, *weights, cache, pos)
+
 
 class Block(nnx.Module):
   """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x)). A device that owns no unit of
@@ -103,6 +115,12 @@ class Block(nnx.Module):
     """x: [batch, seq, d_model] -> the same."""
     x = x + self.attn(repeated.normed(self.attn_norm, x, plan, "heads"), plan)
     return x + self.mlp(repeated.normed(self.mlp_norm, x, plan, "mlp"), plan)
+
+  def decode(self, x, cache: tuple, pos, plan: plan_lib.Plan):
+    """`__call__` with the attention's key/value cache (as `layers.Block.decode`)."""
+    a, cache = self.attn.decode(repeated.normed(self.attn_norm, x, plan, "heads"), cache, pos)
+    x = x + a
+    return x + self.mlp(repeated.normed(self.mlp_norm, x, plan, "mlp"), plan), cache
 
 
 class Encoder(nnx.Module):

@@ -20,6 +20,7 @@ import jax
 import ml_collections
 
 from semijax import models
+from semijax.core import decoder as decoder_lib
 from semijax.core import engine as engine_lib
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
@@ -71,12 +72,14 @@ def codec(run: config_lib.RunConfig) -> Codec:
 @dataclasses.dataclass
 class Model:
   """A restored language model on one device: `logits(params, tokens)` maps int32 tokens
-  [1, seq_len] to float32 logits [1, seq_len, vocab] (`sampling.generate`'s `logits_fn`)."""
+  [1, seq_len] to float32 logits [1, seq_len, vocab] (the whole window's forward), `decoder`
+  reads them a few at a time with a key/value cache (`sampling.generate` decodes with it)."""
 
   run: config_lib.RunConfig
   step: int
   params: Any
   logits: Callable[[Any, jax.Array], jax.Array]
+  decoder: decoder_lib.Decoder
   codec: Codec
 
   def sample(self, prompt: str, num_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
@@ -85,9 +88,8 @@ class Model:
     ids = self.codec.encode(prompt)
     if not ids:
       raise ConfigError("--prompt: encodes to no tokens; give some text")
-    out = sampling.generate(self.logits, self.params, ids, num_tokens,
-                            seq_len=self.run.model.seq_len, temperature=temperature,
-                            top_k=top_k, seed=seed)
+    out = sampling.generate(self.decoder, self.params, ids, num_tokens,
+                            temperature=temperature, top_k=top_k, seed=seed)
     return self.codec.decode(out)
 
 
@@ -136,4 +138,5 @@ def load(workdir: str, step: int | None = None) -> Model:
   params = engine.to_padded(logical, layout, donate=True)
   plan = engine.plan(layout)
   logits = lambda params, tokens: engine.logits(params, {engine.input_key: tokens}, plan)
-  return Model(run, step, params, logits, codec(run))
+  decoder = decoder_lib.Decoder(engine, plan, run.model.seq_len)
+  return Model(run, step, params, logits, decoder, codec(run))

@@ -1,5 +1,7 @@
-"""Decoding (`models.sampling`) on a toy causal model whose next token is known: the window of
-the last seq_len tokens, right-padded, is read at its last real position."""
+"""Decoding (`models.sampling`) on a toy causal model whose next token is known, rerun on every
+window (`sampling.Recomputing`): the prompt's window of the last seq_len tokens, right-padded,
+is read at its last real position, each new token at the next one, and past the context the
+window slides."""
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +21,14 @@ def successor_logits(shift, tokens):
 def test_greedy_decoding_reads_the_last_real_position_of_a_sliding_window():
   # seq_len 4, so from the fifth token on the window slides; a read of a padded position or of
   # the window's end would give 0 + shift instead.
-  out = sampling.generate(successor_logits, jnp.int32(3), [5], 10, seq_len=4)
+  toy = sampling.Recomputing(successor_logits, 4)
+  out = sampling.generate(toy, jnp.int32(3), [5], 10)
   assert out == [5] + [(5 + 3 * (i + 1)) % VOCAB for i in range(10)]
   long_prompt = [1, 2, 3, 4, 5, 6]                 # longer than the context: its tail counts
-  assert sampling.generate(successor_logits, jnp.int32(1), long_prompt, 2, seq_len=4) == (
+  assert sampling.generate(toy, jnp.int32(1), long_prompt, 2) == (
       long_prompt + [7, 0])
   with pytest.raises(ValueError, match="prompt: need at least one token"):
-    sampling.generate(successor_logits, jnp.int32(1), [], 2, seq_len=4)
+    sampling.generate(toy, jnp.int32(1), [], 2)
 
 
 def test_draws_stay_in_the_top_k_and_repeat_with_their_seed():
@@ -40,7 +43,6 @@ def test_draws_stay_in_the_top_k_and_repeat_with_their_seed():
   assert int(sampling.pick(logits, keys[0], 0.0, 0)) == 0
   cold = np.asarray(jax.vmap(lambda k: sampling.pick(logits, k, 1e-3, 0))(keys[:50]))
   assert not np.any(cold)                                     # a cold draw is the argmax
-  noisy = lambda seed: sampling.generate(
-      lambda p, t: jnp.broadcast_to(logits, t.shape + (VOCAB,)), None, [0], 12, seq_len=4,
-      temperature=1.0, seed=seed)
+  flat = sampling.Recomputing(lambda p, t: jnp.broadcast_to(logits, t.shape + (VOCAB,)), 4)
+  noisy = lambda seed: sampling.generate(flat, None, [0], 12, temperature=1.0, seed=seed)
   assert noisy(7) == noisy(7) and noisy(7) != noisy(8)

@@ -86,8 +86,12 @@ def test_a_restored_run_decodes_like_the_dense_reference(model, workdir, tmp_pat
   window = np.asarray([prompt[:16]], np.int32)
   np.testing.assert_allclose(loaded.logits(loaded.params, window),
                              ref_logits(ref_params, window), atol=2e-5)
-  got = sampling.generate(loaded.logits, loaded.params, prompt, 12, seq_len=16)
-  assert got == sampling.generate(ref_logits, ref_params, prompt, 12, seq_len=16)
+  rerun = sampling.Recomputing(ref_logits, 16)
+  got = sampling.generate(loaded.decoder, loaded.params, prompt, 12)
+  assert got == sampling.generate(rerun, ref_params, prompt, 12)
+  # 5 tokens: 11 new ones read one at a time with the key/value cache, then 3 past the context.
+  got = sampling.generate(loaded.decoder, loaded.params, prompt[:5], 14)
+  assert got == sampling.generate(rerun, ref_params, prompt[:5], 14)
   text = loaded.sample("import os\ndef f(x):\n", 12)
   assert text.startswith("import os\ndef f(x):\n") and len(text) > len(prompt)
   with pytest.raises(ConfigError, match=r"^--step: no intact checkpoint 2 in .* \(there are "
