@@ -44,6 +44,7 @@ class StateForms:
   # Built on first use, one per engine (so runs that reuse an engine reuse their programs).
   _init_fn = None
   _migrator = None
+  _abstract = None
 
   def migrator(self):
     """This engine's `migrate.Migrator` (one per engine, so its compiled moves are reused)."""
@@ -83,15 +84,20 @@ class StateForms:
                               out_shardings=self.logical_shardings())
     return self._init_fn(np.asarray(jax.random.key_data(jax.random.key(seed))))
 
+  def _shapes(self) -> TrainState:
+    """Shapes and dtypes of the logical state (its initialization traced once per engine: about
+    a second for a GPT-2 small)."""
+    if self._abstract is None:
+      self._abstract = jax.eval_shape(functools.partial(self._init_logical, 0))
+    return self._abstract
+
   def abstract_logical(self) -> TrainState:
     """Shapes, dtypes and shardings of the sharded logical state: a restore target."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        jax.eval_shape(functools.partial(self._init_logical, 0)),
-                        self.logical_shardings())
+                        self._shapes(), self.logical_shardings())
 
   def logical_shardings(self) -> TrainState:
-    abstract = jax.eval_shape(functools.partial(self._init_logical, 0))
-    return self.state_shardings(abstract.params)
+    return self.state_shardings(self._shapes().params)
 
   def state_shardings(self, params_abstract) -> TrainState:
     return TrainState(self.param_shardings,

@@ -195,9 +195,10 @@ class PipelineEngine:
     devices, or `elsewhere` for another process's stage (`pipeline_flat.flat_abstract`)."""
     return pipeline_flat.flat_abstract(self.states, elsewhere)
 
-  def stacked(self, flat) -> TrainState:
-    """The logical state of a `flat_abstract`-placed one (`pipeline_flat.stacked`)."""
-    return pipeline_flat.stacked(self.states, flat)
+  def stacked(self, flat, donate: bool = False) -> TrainState:
+    """The logical state of a `flat_abstract`-placed one (`pipeline_flat.stacked`); `donate`
+    frees each block of `flat` once stacked."""
+    return pipeline_flat.stacked(self.states, flat, donate)
 
   def state_shardings(self, params_abstract) -> TrainState:
     """Shardings of a padded train state with parameters shaped like `params_abstract`."""

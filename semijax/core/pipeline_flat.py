@@ -103,12 +103,14 @@ def _stack_program(count: int, rows: int, shape: tuple, dtype, sharding: NamedSh
   return jax.jit(stack, out_shardings=sharding)
 
 
-def stacked(states: PipeStates, flat) -> TrainState:
+def stacked(states: PipeStates, flat, donate: bool = False) -> TrainState:
   """The logical state of a flat one placed as `flat_abstract` says: stage s stacks its layers'
   rows [s R, (s + 1) R) (zeros past the last layer) on its devices, and the stages' pieces are
   joined into arrays [stages R, ...] split over `pipe` without a copy; the other leaves are put
   where the logical state has them. Over several processes each stacks the stages it has
-  devices in (the blocks of the others are not read)."""
+  devices in (the blocks of the others are not read). With `donate`, each block's arrays are
+  freed as soon as their rows are stacked: a device then holds its stage's layers once, plus
+  one stacked leaf, where keeping `flat` would hold them twice by the end."""
   meshes, abstract = stage_meshes(states), states.abstract_logical()
   num_layers = states.model.num_layers
   program = functools.cache(_stack_program)     # leaves of one shape share a program
@@ -123,6 +125,10 @@ def stacked(states: PipeStates, flat) -> TrainState:
       mine = blocks[s * rows:min(num_layers, (s + 1) * rows)]
       pieces.append(program(len(mine), rows, tuple(x.shape[1:]), x.dtype,
                             NamedSharding(mesh, P(None, *_row_spec(x.sharding.spec))))(*mine))
+      if donate:
+        jax.block_until_ready(pieces[-1])
+        for block in mine:
+          block.delete()
     shards = [shard.data for piece in pieces for shard in piece.addressable_shards]
     return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 

@@ -44,6 +44,7 @@ class PipeStates:
     self.stages, self.tensor_size = mesh.shape[PIPE], mesh.shape[TENSOR]
     self.param_shardings = sharding.shardings(model.axes, mesh)
     self._migrator = None
+    self._abstract = None
 
   # --- layouts ----------------------------------------------------------------------------------
 
@@ -97,8 +98,14 @@ class PipeStates:
     return TrainState(self.param_shardings, sharding.opt_shardings(
         self.tx, params_abstract, self.model.axes, self.mesh))
 
+  def _shapes(self) -> TrainState:
+    """Shapes and dtypes of the logical state (its initialization traced once)."""
+    if self._abstract is None:
+      self._abstract = jax.eval_shape(functools.partial(self._logical_init, 0))
+    return self._abstract
+
   def logical_shardings(self) -> TrainState:
-    return self.state_shardings(jax.eval_shape(functools.partial(self._logical_init, 0)).params)
+    return self.state_shardings(self._shapes().params)
 
   def init_logical(self, seed: int) -> TrainState:
     """The sharded logical state from `seed`, built under its sharding (no replicated copy)."""
@@ -107,8 +114,7 @@ class PipeStates:
 
   def abstract_logical(self) -> TrainState:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        jax.eval_shape(functools.partial(self._logical_init, 0)),
-                        self.logical_shardings())
+                        self._shapes(), self.logical_shardings())
 
   def local_bytes(self, layout: PipeLayout) -> tuple[float, float]:
     """(block, replicated): parameter bytes one device holds in `layout` (its stage's layer

@@ -118,7 +118,7 @@ class Pipelined:
     abstract = self.engine.abstract_logical()
     if saved is None:
       flat, meta = ckpt.restore_parts(self.engine.flat_abstract(checkpoint_lib.SKIP), step)
-      logical = self.engine.stacked(flat)
+      logical = self.engine.stacked(flat, donate=True)
       saved_with = f"unpipelined, MLP units {checkpoint_lib.unit_counts(meta, 'mlp')}"
     else:
       logical, meta = ckpt.restore(abstract, step)

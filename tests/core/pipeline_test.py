@@ -137,7 +137,10 @@ def test_training_follows_the_unpipelined_engine():
   assert [jax.tree.leaves(abstract.params["encoder"]["blocks"][l])[0].sharding.mesh.devices.tolist()
           for l in range(4)] == (
       [eng.mesh.devices[:, 0, :].tolist()] * 2 + [eng.mesh.devices[:, 1, :].tolist()] * 2)
-  back = eng.stacked(jax.device_put(want, jax.tree.map(lambda x: x.sharding, abstract)))
+  placed = jax.device_put(want, jax.tree.map(lambda x: x.sharding, abstract))
+  blocks = jax.tree.leaves(placed.params["encoder"]["blocks"])
+  back = eng.stacked(placed, donate=True)
+  assert all(x.is_deleted() for x in blocks)          # freed as they were stacked
   logical = eng.to_logical(state, layout)
   assert jax.tree.structure(back) == jax.tree.structure(logical)
   for b, x in zip(jax.tree.leaves(back), jax.tree.leaves(logical)):
