@@ -8,7 +8,10 @@ The run's config.json says the model and its data; the newest intact checkpoint 
 restored onto one device, whatever layout or device count it trained on. Text data sets and
 byte-level shards decode as UTF-8; token shards use the tokenizer.json beside them
 (`semijax.train.generate`). --temperature=0 (the default) takes the most likely token each time.
-Bad input ends the program with one line naming the flag.
+Decoding keeps every layer's keys and values, so each new token costs one token's work
+(docs/workdir.md). Compiled programs are kept in JAX's persistent compilation cache, as for
+train.py (--compilation_cache_dir, --nocompilation_cache), so a second prompt to the same run
+compiles nothing. Bad input ends the program with one line naming the flag.
 """
 
 from absl import app
@@ -26,6 +29,7 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: the most likely token;
                                   "the softmax of the logits over this.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Draw among the k most likely tokens only (0: all).")
 _SEED = flags.DEFINE_integer("seed", 0, "The draws' random seed.")
+_CACHE, _CACHE_DIR = cli.define_cache_flags()
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -44,6 +48,7 @@ def main(argv):
     raise app.UsageError(f"Too many command-line arguments: {argv[1:]}")
   with cli.one_line_errors():
     check_flags()
+    cli.apply_cache_flags(_CACHE, _CACHE_DIR)
     model = generate.load(_WORKDIR.value, _STEP.value)
     vocab = model.run.model.kwargs["vocab_size"]
     if _TOP_K.value > vocab:
