@@ -1,9 +1,12 @@
 """Decoding with a key/value cache (`core.decoder`, `core.kv_cache`): an uneven 4-device GPT and
 Llama (a device owning no KV group, another no MLP unit) read a right-padded prompt window, then
 two tokens, then one at a time; every position's logits equal the independent dense reference's
-logits of the whole sequence, and the tokens `sampling.generate` draws with the cache, past the
-end of the context too, are those of the model rerun on every window."""
+logits of the whole sequence (and, in bfloat16 with a bfloat16 cache, the model's own forward
+pass), and the tokens `sampling.generate` draws with the cache, past the end of the context
+too, are those of the model rerun on every window."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -15,6 +18,7 @@ from semijax.core import decoder as decoder_lib
 from semijax.core import engine as engine_lib
 from semijax.core import layout as L
 from semijax.core import mesh as mesh_lib
+from semijax.core import precision as precision_lib
 from semijax.models import llama
 from semijax.models import sampling
 from semijax.models import tasks
@@ -52,20 +56,41 @@ def test_cached_decoding_gives_the_dense_logits_of_the_whole_sequence(model):
 
   dec = decoder_lib.Decoder(eng, eng.plan(layout), seq_len)
   cache = dec.init(state.params)
-  assert [c.shape for c in cache[0]] == [(1, seq_len, 4 * layout.heads.capacity,
-                                          H.GPT_KW["d_model"] // H.GPT_KW["num_heads"])] * 2
-  # The prompt: 3 tokens, right-padded to the window; the padding's keys and values stay in the
-  # cache past position 2 until the tokens that follow overwrite them.
-  window = np.zeros((1, seq_len), np.int32)
+  assert [(c.shape, c.dtype) for c in cache[0]] == [(
+      (1, seq_len, 4 * layout.heads.capacity, H.GPT_KW["d_model"] // H.GPT_KW["num_heads"]),
+      np.float32)] * 2
+  np.testing.assert_allclose(decode_in_pieces(dec, state.params, tokens), want, atol=ATOL)
+
+
+def decode_in_pieces(dec, params, tokens):
+  """Logits [seq_len, vocab] of tokens [1, seq_len] read as a prompt of 3 right-padded to the
+  window (the padding's keys and values stay in the cache past position 2 until the tokens
+  that follow overwrite them), then 2 tokens at once, then one at a time."""
+  window = np.zeros_like(tokens)
   window[0, :3] = tokens[0, :3]
-  logits, cache = dec(state.params, window, cache, np.int32(0))
+  logits, cache = dec(params, window, dec.init(params), np.int32(0))
   got = [np.asarray(logits)[0, :3]]
-  logits, cache = dec(state.params, tokens[:, 3:5], cache, np.int32(3))   # two at once
+  logits, cache = dec(params, tokens[:, 3:5], cache, np.int32(3))
   got.append(np.asarray(logits)[0])
-  for pos in range(5, seq_len):
-    logits, cache = dec(state.params, tokens[:, pos:pos + 1], cache, np.int32(pos))
+  for pos in range(5, tokens.shape[1]):
+    logits, cache = dec(params, tokens[:, pos:pos + 1], cache, np.int32(pos))
     got.append(np.asarray(logits)[0])
-  np.testing.assert_allclose(np.concatenate(got), want, atol=ATOL)
+  return np.concatenate(got)
+
+
+def test_a_bfloat16_cache_decodes_like_the_bfloat16_forward():
+  eng = H.make_engine("gpt", 1, 4, precision=precision_lib.Precision("bfloat16"))
+  layout = H.random_layout(3, 4)
+  params = eng.init(0, layout).params
+  plan = eng.plan(layout)
+  tokens = np.random.default_rng(1).integers(0, 64, (1, 8)).astype(np.int32)
+  dec = decoder_lib.Decoder(eng, plan, 8)
+  assert {c.dtype for c in jax.tree.leaves(dec.init(params))} == {jnp.dtype(jnp.bfloat16)}
+  want = np.asarray(eng.logits(params, {"inputs": tokens}, plan))[0]
+  got = decode_in_pieces(dec, params, tokens)
+  # The same bfloat16 roundings (equal here to 3e-8); at most about one bfloat16 step of logits
+  # near 3 where XLA orders a sum otherwise.
+  np.testing.assert_allclose(got, want, atol=0.02)
 
 
 def test_generate_with_the_cache_draws_the_tokens_of_the_recomputed_windows():
