@@ -49,7 +49,7 @@ class Decoder:
   """
 
   def __init__(self, engine, plan: plan_lib.Plan, length: int, batch: int = 1):
-    self.engine, self.plan, self.seq_len, self.batch = engine, plan.exact(), length, batch
+    self.plan, self.seq_len = plan.exact(), length
     params_specs = sharding.specs(engine.axes)
     graphdef = engine.graphdef
 

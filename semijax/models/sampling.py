@@ -93,15 +93,15 @@ def generate(decoder: Decoder, params, prompt: Sequence[int], num_tokens: int, *
     return pick(logits[0, last], key, temperature, top_k), cache
 
   tokens, key = [int(t) for t in prompt], jax.random.key(seed)
-  cache, pos = None, seq_len
+  # A window read writes every position of the cache, so one cache serves the whole run.
+  cache, pos = decoder.init(params), seq_len
   for _ in range(num_tokens):
     key, draw = jax.random.split(key)
     if pos == seq_len:       # the context is full (or nothing is read yet): read the window
       seen = tokens[-seq_len:]
       window = np.zeros((1, seq_len), np.int32)
       window[0, :len(seen)] = seen
-      token, cache = step(params, window, decoder.init(params), np.int32(0),
-                          np.int32(len(seen) - 1), draw)
+      token, cache = step(params, window, cache, np.int32(0), np.int32(len(seen) - 1), draw)
       pos = len(seen)
     else:                    # the newest token, at the next position
       token, cache = step(params, np.asarray([tokens[-1:]], np.int32), cache, np.int32(pos),
