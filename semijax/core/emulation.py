@@ -168,6 +168,17 @@ class Devices:
     bw = np.asarray(region_bandwidth, np.float64)[np.ix_(regions, regions)]
     return cls(np.asarray(speeds, np.float64), lat, bw, regions)
 
+  def with_speeds(self, speeds) -> "Devices":
+    """These links with other speeds [N]."""
+    return dataclasses.replace(self, speeds=np.asarray(speeds, np.float64))
+
+  def speeds_at(self, step: int, rotate_every: int) -> np.ndarray:
+    """float [N]: the speeds in 0-based `step`, shifted by one device id every `rotate_every`
+    steps (0: static), as `Hetero.slowdown_at` shifts a slowdown profile."""
+    if not rotate_every:
+      return self.speeds.copy()
+    return np.roll(self.speeds, (step // rotate_every) % len(self.speeds))
+
   def group_link(self, devices) -> tuple[float, float]:
     """(latency, bandwidth) of the slowest link among `devices` (0, inf for one device)."""
     d = np.asarray(devices).reshape(-1)
@@ -214,6 +225,17 @@ class PipelineEmulator:
   shared_bytes: float
   schedule: str
   edge_ms: tuple = ()
+
+  def with_speeds(self, speeds) -> "PipelineEmulator":
+    """This emulator on devices of other speeds [N] (the same links)."""
+    return dataclasses.replace(self, devices=self.devices.with_speeds(speeds))
+
+  def layout_step(self, layout, microbatches: Sequence[int]) -> dict:
+    """`step` of what a `core.pipeline.PipeLayout` executes: each stage's layers, and each
+    tensor device the compiled width its units run at (`plan.executed_widths`)."""
+    executed = [{k: w[:, 0] for k, w in plan_lib.executed_widths(u, 1).items()}
+                for u in layout.units]
+    return self.step(layout.stage_layers, executed, microbatches)
 
   def step(self, layers, executed: Sequence[dict], microbatches: Sequence[int]) -> dict:
     """The emulated seconds of a step and their parts.

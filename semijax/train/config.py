@@ -330,6 +330,8 @@ class PipelineSpec:
     devices: the emulated speeds and links (`core.emulation.Devices`), or None.
     memory_gb: memory of every device for the planner (0: unbounded).
     syncs: the data-parallel sync modes the planner chooses among (`config.planner.syncs`).
+    rotate_every: steps between shifts of the emulated speeds by one device id
+      (`hetero.rotate_every`; 0 = static).
   """
 
   schedule: str
@@ -345,6 +347,7 @@ class PipelineSpec:
   devices: emulation.Devices | None = None
   memory_gb: float = 0.0
   syncs: tuple[str, ...] = ("sync",)
+  rotate_every: int = 0
 
 
 def _check_keys(node, schema: dict, prefix: str) -> None:
@@ -505,7 +508,9 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
                    kernel=_kernel(config, spec, num_devices), accumulation=accumulation)
 
 
-PIPELINE_POLICIES = ("even", "static")
+# `semi` on a pipelined run re-plans its layers per stage and each stage's units online
+# (`balance.replan`, `train.stage_balance`) on the emulated speeds of `hetero.device_speeds`.
+PIPELINE_POLICIES = ("even", "static", "semi")
 
 
 def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
@@ -530,9 +535,9 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                       "> 1 or config.plan) split the batch into config.pipeline.microbatches "
                       "instead; leave it at 1")
   if config.balance.policy not in PIPELINE_POLICIES:
-    raise ConfigError(f"config.balance.policy: pipelined and planned runs use the fixed layout of "
-                      f"their config or plan (policies {list(PIPELINE_POLICIES)}), not "
-                      f"{config.balance.policy!r}")
+    raise ConfigError(f"config.balance.policy: pipelined and planned runs keep the layout of "
+                      f"their config or plan, or re-plan it ('semi'): policies "
+                      f"{list(PIPELINE_POLICIES)}, not {config.balance.policy!r}")
   schedule = config.pipeline.schedule
   if schedule not in schedule_lib.SCHEDULES:
     raise ConfigError(f"config.pipeline.schedule: {schedule!r} is not one of "
@@ -592,9 +597,15 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
     raise ConfigError(f"config.planner.schedules: need a non-empty subset of "
                       f"{list(schedule_lib.SCHEDULES)}, got {schedules}")
   syncs = _syncs(config)
+  rotate = config.hetero.rotate_every
+  if isinstance(rotate, bool) or not isinstance(rotate, int) or rotate < 0:
+    raise ConfigError(f"config.hetero.rotate_every: must be an integer >= 0, got {rotate!r}")
+  if rotate and not parse_numbers(config.hetero.device_speeds, "config.hetero.device_speeds"):
+    raise ConfigError("config.hetero.rotate_every: a pipelined or planned run rotates "
+                      "hetero.device_speeds; set them")
   pipeline = PipelineSpec(schedule, micro, layers, capacity, units["mlp"], units["heads"],
                           _int(config.layout.num_widths, "layout.num_widths"), plan, sizes,
-                          schedules, devices, float(memory), syncs)
+                          schedules, devices, float(memory), syncs, rotate)
   layout = layout_lib.Layout.for_model(d_model=spec.d_model,
                                        num_heads=spec.num_units()["heads"], d_ff=spec.d_ff,
                                        num_devices=1)
@@ -603,6 +614,7 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
   known = {f.name for f in dataclasses.fields(settings_lib.BalanceSettings)}
   balance = settings_lib.BalanceSettings(**{k: v for k, v in config.balance.items()
                                             if k in known}).validate(policies_lib.REGISTRY)
+  _check_replanning(balance, devices, config.sync.mode, syncs, process_count)
   # A plan's pipelines are counted when it is made (`pipeline_setup.for_plan` validates again).
   sync = _sync_settings(config, None if plan else mesh.data)
   if process_count > 1 and (set(syncs) | {sync.mode}) != {"sync"}:
@@ -619,6 +631,24 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                    pipeline=pipeline, profile=profile_lib.ProfileSpec.from_config(config),
                    run_ahead=_bool(config.run_ahead, "run_ahead"),
                    kernel=_kernel(config, spec, num_devices))
+
+
+def _check_replanning(balance: settings_lib.BalanceSettings, devices, mode: str, syncs,
+                      process_count: int) -> None:
+  """Raises ConfigError naming the field where a pipelined `semi` run cannot re-plan: it needs
+  emulated speeds (`hetero.device_speeds`), the `sync` mode and one process."""
+  if balance.policy != "semi":
+    return
+  if devices is None or balance.measure not in ("auto", "emulated"):
+    raise ConfigError("config.balance.measure: a pipelined run re-plans on the emulated speeds "
+                      "of hetero.device_speeds (measure 'emulated' or 'auto'); set them")
+  if mode != "sync" or set(syncs) != {"sync"}:
+    raise ConfigError("config.sync.mode: a pipelined 'semi' run combines its pipelines with "
+                      f"'sync' (a re-plan would have to move in-flight replica state), not "
+                      f"{sorted(set(syncs) | {mode})}")
+  if process_count > 1:
+    raise ConfigError(f"config.balance.policy: a pipelined 'semi' run re-plans in one process, "
+                      f"not over {process_count}")
 
 
 def _syncs(config) -> tuple[str, ...]:

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import jax
 import numpy as np
 
 from semijax import models
+from semijax.balance import buckets as buckets_lib
 from semijax.core import emulation
 from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import pipeline
-from semijax.core import plan as plan_lib
 from semijax.errors import ConfigError
 from semijax.planner import cluster as cluster_lib
 from semijax.planner import costs as costs_lib
@@ -172,6 +173,23 @@ def pipe_layout(plan: planner_plan.Plan, spec, layer_capacity: int = 0) -> pipel
   return pipeline.PipeLayout.build(spec.num_layers, plan.stage_layers, units, capacity=cap)
 
 
+def replanning_layout(layout: pipeline.PipeLayout, factor: float, num_widths: int,
+                      layer_capacity: int = 0) -> pipeline.PipeLayout:
+  """`layout` (same owners) in the compiled shapes a re-planning run (`semi`) moves within: per
+  kind the units' big bucket (`factor` x the even share, `num_widths` widths,
+  `balance.buckets.bucket_layout`; the widest any stage needs), the same in every stage, and
+  `layer_capacity` slots per stage (0: `factor` x the even share of layers, at most what leaves
+  every other stage one)."""
+  stages, num_layers = layout.stages, layout.layers.num_units
+  big = [buckets_lib.bucket_layout(u, factor, num_widths).kinds() for u in layout.units]
+  widest = layout_lib.Layout(**{k: max((b[k] for b in big), key=lambda u: u.capacity)
+                                for k in big[0]})
+  units = [buckets_lib.bucket_like(u, widest) for u in layout.units]
+  cap = layer_capacity or min(num_layers - stages + 1, math.ceil(factor * num_layers / stages))
+  cap = max(cap, max(layout.stage_layers))
+  return pipeline.PipeLayout.build(num_layers, layout.stage_layers, units, capacity=cap)
+
+
 # --- the engine and its emulation --------------------------------------------------------------
 
 
@@ -196,6 +214,10 @@ def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
                                    schedule=plan.schedule, microbatches=max(plan.microbatches),
                                    kernel=run.kernel)
   layout = pipe_layout(plan, run.model, run.pipeline.layer_capacity)
+  if run.balance.policy == "semi":
+    layout = replanning_layout(layout, run.balance.capacity_factor,
+                               run.balance.num_widths or run.pipeline.num_widths,
+                               run.pipeline.layer_capacity)
   emulator = None
   if run.pipeline.devices is not None:
     tokens = plan.microbatch_size * run.model.seq_len
@@ -210,9 +232,7 @@ def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
 
 def emulated_step(setup: Setup) -> dict:
   """The emulated time of one step of `setup` (`PipelineEmulator.step` on what it executes)."""
-  executed = [{k: w[:, 0] for k, w in plan_lib.executed_widths(u, 1).items()}
-              for u in setup.layout.units]
-  return setup.emulator.step(setup.layout.stage_layers, executed, setup.plan.microbatches)
+  return setup.emulator.layout_step(setup.layout, setup.plan.microbatches)
 
 
 def checkpoint_meta(plan: planner_plan.Plan) -> dict:

@@ -14,8 +14,12 @@ A replica sync mode's in-flight state is kept per stage, so such a run restores 
 stages only; every run onto the same sync mode.
 
 With an emulation (`hetero.device_speeds` or `hetero.links`) every step is followed by the
-emulated devices' and links' time; the step's measured time is that plus the real compute, and
-the summary says how far it is from the plan's prediction (`planner.predict`).
+emulated devices' and links' time (at the speeds of that step, `hetero.rotate_every`); the
+step's measured time is that plus the real compute, and the summary says how far it is from the
+plan's prediction (`planner.predict`). With `balance.policy = "semi"` the run re-plans its layers
+per stage and each stage's units while it trains (`stage_balance.StageBalancer`), within
+compiled shapes with room to move (`pipeline_setup.replanning_layout`); a checkpoint keeps the
+layout it was saved in, and a run of the same shapes resumes in it.
 
 With a replica sync mode (the plan's `sync`: ssaw, async or local_sgd; `pipeline_setup.for_plan`)
 the pipelines are the replicas of `replicas.Replicas`, with `FixedPlan` as their
@@ -33,6 +37,7 @@ import jax
 import numpy as np
 
 from semijax.core import emulation
+from semijax.core import pipeline as pipeline_lib
 from semijax.planner import plan as planner_plan
 from semijax.train import checkpoint as checkpoint_lib
 from semijax.train import config as config_lib
@@ -41,6 +46,7 @@ from semijax.train import executor as executor_lib
 from semijax.train import metrics as metrics_lib
 from semijax.train import pipeline_setup as setup_lib
 from semijax.train import prefetch as prefetch_lib
+from semijax.train import stage_balance
 from semijax.train import steps as steps_lib
 
 say = metrics_lib.say
@@ -77,7 +83,8 @@ class Pipelined:
     setup, engine, dataset: the run's (every process arranges the whole global batch);
     state: the padded train state (None before `init` or `restore`); extra: the host state a
     restore read (a replica run's in-flight state) or None; emulated: the emulated step
-    (`pipeline_setup.emulated_step`) or None.
+    (`pipeline_setup.emulated_step`) or None; balancer: the re-planning of a `semi` run
+    (`stage_balance.StageBalancer`) or None; layout: the layout the state is in.
   """
 
   step_name = "step"
@@ -87,8 +94,11 @@ class Pipelined:
     self.run, self.setup, self.engine = run, setup, setup.engine
     self.dataset = data_lib.build(run.data, 0, 1)
     self.counts = setup.plan.microbatches
+    self.layout = setup.layout
     self.pplan = setup.engine.plan(setup.layout, self.counts)
     self.emulated = (setup_lib.emulated_step(setup) if setup.emulator is not None else None)
+    self.balancer = (stage_balance.StageBalancer(run, setup) if run.balance.policy == "semi"
+                     else None)
     self.state, self.extra = None, None
     self._eval_batches = None
     self.batches: prefetch_lib.Batches = (prefetch_lib.Prefetch(self._batch) if run.run_ahead
@@ -100,7 +110,7 @@ class Pipelined:
     self.batches.close()
 
   def init(self, seed: int) -> None:
-    self.state = self.engine.init(seed, self.setup.layout)
+    self.state = self.engine.init(seed, self.layout)
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> tuple[int, str]:
     """Restores onto the plan's layout, on as many stages as the checkpoint's or (without a
@@ -123,10 +133,22 @@ class Pipelined:
     else:
       logical, meta = ckpt.restore(abstract, step)
       saved_with = f"layers per stage {meta['plan']['stage_layers']}"
-    self.state = self.engine.to_padded(logical, self.setup.layout, donate=True)
+    self._resume_in(meta.get("layout") if saved is not None else None)
+    self.state = self.engine.to_padded(logical, self.layout, donate=True)
     if run.sync.mode != "sync":
       self.extra = ckpt.restore_extra(step)
     return int(meta["data_position"]), saved_with + checkpoint_lib.dtype_change(meta, abstract)
+
+  def _resume_in(self, saved: dict | None) -> None:
+    """A `semi` run resumes in the layout its checkpoint was saved in, when that has this run's
+    stages and compiled shapes (else in its plan's, and re-plans)."""
+    if self.balancer is None or saved is None:
+      return
+    layout = pipeline_lib.PipeLayout.from_json(saved)
+    if layout.stages == self.layout.stages and layout.bucket() == self.layout.bucket():
+      self.layout = layout
+      self.balancer.restored(layout)
+      self.pplan = self.engine.plan(layout, self.counts)
 
   def _batch(self, step: int) -> dict:
     return self.engine.arrange_batch(self.dataset.train_batch(step), self.counts)
@@ -140,8 +162,13 @@ class Pipelined:
     return self._eval_batches
 
   def warm_up(self, step: int) -> str:
-    """Compiles the train and eval programs."""
+    """Compiles the train and eval programs (a re-planning run's first move is priced at what
+    one of them took to compile, `replan.Replanner.prior_s`)."""
+    t0, before = time.perf_counter(), self.engine.compile_count
     self.engine.compile(self.state, self._batch(step), self.pplan, self.eval_batches[0])
+    compiled = self.engine.compile_count - before
+    if self.balancer is not None and compiled:
+      self.balancer.replanner.prior_s = (time.perf_counter() - t0) / compiled
     return f"{self.engine.compile_count} step programs compiled"
 
   def step(self, step: int) -> executor_lib.StepResult:
@@ -162,9 +189,27 @@ class Pipelined:
       return executor_lib.StepResult(m, None, scalars)
     m = {k: float(v) for k, v in jax.device_get(m).items()}      # waits for the step
     if self.emulated is not None:
-      emulation.Emulator.sleep(self.emulated["step_s"])
-      scalars["pipeline/emulated_s"] = self.emulated["step_s"]
-    return executor_lib.StepResult(m, time.perf_counter() - t0, scalars)
+      emulated = self._emulated_at(step)
+      emulation.Emulator.sleep(emulated["step_s"])
+      scalars["pipeline/emulated_s"] = emulated["step_s"]
+    notes = ()
+    if self.balancer is not None:
+      self.state, note = self.balancer.after_step(step, self.state, time.perf_counter() - t0)
+      if note is not None:
+        self.layout = self.balancer.layout
+        self.pplan = self.engine.plan(self.layout, self.counts)
+        notes = (note,)
+    return executor_lib.StepResult(m, time.perf_counter() - t0, scalars, notes=notes)
+
+  def _emulated_at(self, step: int) -> dict:
+    """The emulated time of 0-based `step`: at its speeds (`hetero.rotate_every`) and in the
+    current layout; the plan's fixed one where neither changes."""
+    if self.balancer is None and not self.run.pipeline.rotate_every:
+      return self.emulated
+    devices = self.setup.emulator.devices
+    emulator = self.setup.emulator.with_speeds(
+        devices.speeds_at(step, self.run.pipeline.rotate_every))
+    return emulator.layout_step(self.layout, self.counts)
 
   def evaluate(self) -> dict:
     return steps_lib.evaluate(self.engine, self.state.params, self.eval_batches, self.pplan)
@@ -172,7 +217,7 @@ class Pipelined:
   def save(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> None:
     """Checkpoints the state through the sharded logical form (donated, then back), with the
     layout and plan in the meta."""
-    engine, layout = self.engine, self.setup.layout
+    engine, layout = self.engine, self.layout
     meta = dict(meta, layout=layout.to_json(), **setup_lib.checkpoint_meta(self.setup.plan))
     logical = engine.to_logical(self.state, layout, donate=True)
     ckpt.save(step, logical, meta)
@@ -182,11 +227,14 @@ class Pipelined:
     plan, mean_dt = self.setup.plan, base["mean_step_time_s"]
     error = (f", {100 * (mean_dt / plan.predicted_s - 1):+.1f}% against the predicted "
              f"{plan.predicted_s:.3f} s" if self.emulated is not None else "")
-    return executor_lib.Finish(
-        {"plan": plan.to_dict(), "predicted_s": plan.predicted_s,
-         "bubble": plan.breakdown["bubble"],
-         "emulated_s": None if self.emulated is None else self.emulated["step_s"]},
-        before_val=f", mean step {mean_dt:.3f} s{error}")
+    keys = {"plan": plan.to_dict(), "predicted_s": plan.predicted_s,
+            "bubble": plan.breakdown["bubble"],
+            "emulated_s": None if self.emulated is None else self.emulated["step_s"]}
+    replans = ""
+    if self.balancer is not None:
+      keys.update(self.balancer.summary())
+      replans = f", {keys['replans']} re-plans"
+    return executor_lib.Finish(keys, before_val=f", mean step {mean_dt:.3f} s{error}{replans}")
 
 
 class FixedPlan:

@@ -141,7 +141,7 @@ def test_a_scaled_run_resumes_its_scale_and_trains_like_the_unscaled_one(tmp_pat
     ("pipeline.layers", "1,2", "config.pipeline.layers"),
     ("pipeline.microbatches", "2,2,2", "config.pipeline.microbatches"),
     ("pipeline.schedule", "zigzag", "config.pipeline.schedule"),
-    ("balance.policy", "semi", "config.balance.policy"),
+    ("balance.policy", "migrate", "config.balance.policy"),
     ("hetero.slowdown", (1, 4), "config.hetero.slowdown"),
     ("hetero.device_speeds", (1, 1, 1), "config.hetero.device_speeds"),
     ("hetero.links.latency_s", (1, 2, 3), "config.hetero.links.latency_s"),

@@ -1,0 +1,230 @@
+"""Re-planning a pipelined run while it trains: the layers each stage holds and each stage's
+units over its tensor devices, when the devices' speeds change (`balance.policy = "semi"` on a
+pipelined run; `train.stage_balance` drives it).
+
+The placement (the device at each mesh position), the microbatches of every pipeline and the
+compiled shapes stay: every candidate fits the run's layer slots per stage and its units'
+bucket (capacity and compute widths), so a re-plan compiles nothing but its migration
+(`core.pipeline.PipelineEngine.move`).
+
+Candidates, for speeds v [D] by device id:
+  units   each stage's units of each kind in proportion to the slowest pipeline's device at
+          each tensor position (`core.layout.proportional_counts`, at most the bucket's
+          capacity), reached from the current owners by moving as few units as possible
+          (`buckets.rebalance`);
+  layers  from the current partition, the even one and the one in proportion to each stage's
+          speed (one layer's time on its slowest device), one layer at a time between any two
+          stages while the predicted step falls, every stage within its compiled slots.
+Each is priced by the time model the emulation sleeps and the planner minimizes
+(`core.emulation.PipelineEmulator.layout_step` at speeds v: the executed bucket widths, the
+tensor all-reduces, boundary transfers and gradient all-reduces over the links).
+
+Deciding (`Replanner.observe`, every `probe_every` steps): a `speed.SpeedTracker` over every
+device turns samples into regimes (a change must last `confirm` samples). The best candidate
+is taken when it is predicted at least `hysteresis` faster than the current layout, at least
+`min_dwell_steps` after the last move, and its gain over the steps the current speeds are
+expected to last (at most the steps left) exceeds the move's expected cost: the state that
+changes device over the mesh's slowest link, plus the overhead measured in past moves (before
+any: the larger of a step's time and `prior_s`, which the run sets to what compiling one of its
+step programs took, since a first move compiles its migration programs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from semijax.balance import buckets as buckets_lib
+from semijax.balance import speed as speed_lib
+from semijax.core import emulation
+from semijax.core import layout as layout_lib
+from semijax.core import pipeline_layout
+from semijax.core import schedule as schedule_lib
+
+PipeLayout = pipeline_layout.PipeLayout
+# Parameter, first and second moment: the copies of every parameter a move carries.
+STATE_COPIES = 3
+# Layer moves tried per re-plan, at most.
+MAX_MOVES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+  """A re-plan: the layout to move to and what it is predicted to give.
+
+  Attributes:
+    layout: the new layout (same layer slots and unit bucket as the current one).
+    now_s: the current layout's predicted step at the new speeds.
+    new_s: the new layout's.
+    move_s: the move's expected seconds (links and overhead).
+    link_s: its links' part (what an emulation sleeps for it).
+    horizon_steps: the steps its gain was counted over.
+  """
+
+  layout: PipeLayout
+  now_s: float
+  new_s: float
+  move_s: float
+  link_s: float
+  horizon_steps: float
+
+
+def stage_targets(layout: PipeLayout, grid: np.ndarray, speeds: np.ndarray) -> list[dict]:
+  """Per stage {kind: counts [T]}: in proportion to the slowest pipeline's device at each
+  tensor position, within the bucket's capacity (grid: int [R, S, T] device ids)."""
+  out = []
+  for p, units in enumerate(layout.units):
+    position = speeds[grid[:, p, :]].min(axis=0)
+    out.append({k: layout_lib.proportional_counts(u.num_units, position,
+                                                  maximum=u.capacity)
+                for k, u in units.kinds().items()})
+  return out
+
+
+def with_layers(layout: PipeLayout, counts: Sequence[int]) -> PipeLayout:
+  """`layout`'s units with `counts` layers per stage in its slots."""
+  cap = layout.layers.capacity
+  return PipeLayout(layout_lib.UnitLayout.from_counts(pipeline_layout.LAYERS, tuple(counts),
+                                                      capacity=cap, widths=(cap,)), layout.units)
+
+
+def neighbours(counts: Sequence[int], capacity: int) -> list[tuple[int, ...]]:
+  """Partitions one layer away: any stage with two or more gives one to any stage with a
+  free slot."""
+  out = []
+  for i, j in itertools.permutations(range(len(counts)), 2):
+    if counts[i] > 1 and counts[j] < capacity:
+      x = list(counts)
+      x[i] -= 1
+      x[j] += 1
+      out.append(tuple(x))
+  return out
+
+
+class Replanner:
+  """Decides when a pipelined run's layout changes, and to what (see module doc).
+
+  Args:
+    emulator: the run's time model (speeds replaced by each sample's; links and grid kept).
+    layout: the layout the run starts in.
+    microbatches: [R] microbatches of each pipeline.
+    total_steps: the run's steps (a gain counts over the steps left at most).
+    hysteresis, min_dwell_steps, speed_alpha, change_threshold, confirm: `config.balance`'s.
+  """
+
+  def __init__(self, emulator: emulation.PipelineEmulator, layout: PipeLayout,
+               microbatches: Sequence[int], total_steps: int, *, hysteresis: float = 0.05,
+               min_dwell_steps: int = 5, speed_alpha: float = 0.3,
+               change_threshold: float = 0.2, confirm: int = 2):
+    self.emulator, self.layout = emulator, layout
+    self.microbatches, self.total_steps = tuple(microbatches), int(total_steps)
+    self.hysteresis, self.min_dwell_steps = float(hysteresis), int(min_dwell_steps)
+    n = len(emulator.devices.speeds)
+    self.tracker = speed_lib.SpeedTracker(n, alpha=speed_alpha, threshold=change_threshold,
+                                          confirm=confirm, min_expected_s=1.0)
+    self.last_move = -10**9
+    self.overhead_s: float | None = None     # measured seconds of a move beyond its links
+    self.prior_s = 0.0                       # ... before any was measured, at least this
+    self.moves = 0
+
+  def seconds(self, layout: PipeLayout, speeds) -> float:
+    """The predicted seconds of a step of `layout` on devices of `speeds` [D]."""
+    em = self.emulator.with_speeds(speeds)
+    return em.layout_step(layout, self.microbatches)["step_s"]
+
+  def best(self, speeds) -> tuple[PipeLayout, float]:
+    """The fastest candidate at `speeds` [D] and its predicted step (see module doc)."""
+    speeds = np.asarray(speeds, np.float64)
+    current = self.layout
+    units = [buckets_lib.rebalance(u, t)
+             for u, t in zip(current.units, stage_targets(current, self.emulator.grid, speeds))]
+    base = current.with_units(units)
+    cap, num_layers = current.layers.capacity, current.layers.num_units
+    per_layer = self._layer_seconds(base, speeds)
+    starts = {current.stage_layers, layout_lib.even_counts(num_layers, current.stages),
+              layout_lib.proportional_counts(num_layers, 1.0 / per_layer, maximum=cap)}
+    price = lambda counts: self.seconds(with_layers(base, counts), speeds)
+    best_counts, best_s = None, np.inf
+    for counts in sorted(starts):
+      if max(counts) > cap:
+        continue
+      value = price(counts)
+      for _ in range(MAX_MOVES):
+        near = neighbours(counts, cap)
+        values = [price(c) for c in near]
+        if not near or not min(values) < value:
+          break
+        i = int(np.argmin(values))
+        counts, value = near[i], values[i]
+      if value < best_s:
+        best_counts, best_s = counts, value
+    return with_layers(base, best_counts), float(best_s)
+
+  def _layer_seconds(self, layout: PipeLayout, speeds: np.ndarray) -> np.ndarray:
+    """float [S]: one layer's forward on each stage's slowest device (units at their executed
+    widths), the weights of the proportional layer split."""
+    em = self.emulator
+    out = np.zeros(layout.stages)
+    for p, units in enumerate(layout.units):
+      work = sum(em.unit_ms[k] * np.asarray(units.kinds()[k].active, np.float64)
+                 for k in em.unit_ms)
+      out[p] = float((work / speeds[em.grid[:, p, :]]).max())
+    return np.maximum(out, 1e-12)
+
+  def link_seconds(self, old: PipeLayout, new: PipeLayout) -> float:
+    """The links' part of moving from `old` to `new`: on the device whose state changes most,
+    its changed share of the layer slots and units (parameters and both moments), over the
+    mesh's slowest link."""
+    em = self.emulator
+    stage_old = np.repeat(np.arange(old.stages), old.stage_layers)
+    stage_new = np.repeat(np.arange(new.stages), new.stage_layers)
+    layer_share = np.zeros(old.stages)
+    for a, b in zip(stage_old, stage_new):
+      if a != b:
+        layer_share[[a, b]] += 1.0 / old.layers.capacity
+    unit_share = np.zeros(old.stages)
+    for p, (u, v) in enumerate(zip(old.units, new.units)):
+      for k, x in u.kinds().items():
+        y = v.kinds()[k]
+        changed = sum(len(set(a) ^ set(b)) for a, b in zip(x.owned, y.owned))
+        unit_share[p] = max(unit_share[p], changed / max(x.capacity, 1) / 2)
+    share = float((np.minimum(layer_share + unit_share, 1.0)).max())
+    if share == 0:
+      return 0.0
+    nbytes = STATE_COPIES * em.stack_bytes * share
+    latency, bandwidth = em.devices.group_link(em.grid.reshape(-1))
+    return schedule_lib.send_s(nbytes, latency, bandwidth)
+
+  def observe(self, step: int, speeds, step_s: float) -> Proposal | None:
+    """A sample of relative speeds [D] after 0-based `step` (whose measured seconds were
+    `step_s`); returns the re-plan to make now, or None."""
+    speeds = np.asarray(speeds, np.float64)
+    self.tracker.update(1.0 / speeds, float(step))
+    if step - self.last_move < self.min_dwell_steps:
+      return None
+    current = self.tracker.speeds * speeds.max()    # the regime's, at the sample's scale
+    now_s = self.seconds(self.layout, current)
+    layout, new_s = self.best(current)
+    if layout == self.layout or not new_s < now_s * (1.0 - self.hysteresis):
+      return None
+    left = self.total_steps - step - 1
+    horizon = min(float(left), self.tracker.expected_remaining_s(float(step)))
+    link_s = self.link_seconds(self.layout, layout)
+    overhead = max(step_s, self.prior_s) if self.overhead_s is None else self.overhead_s
+    move_s = link_s + overhead
+    if (now_s - new_s) * horizon <= move_s:
+      return None
+    return Proposal(layout, now_s, new_s, move_s, link_s, horizon)
+
+  def moved(self, step: int, proposal: Proposal, seconds: float) -> None:
+    """Records that the run moved to `proposal.layout` after `step`, in `seconds` (wall, its
+    links' emulated time included)."""
+    self.layout, self.last_move, self.moves = proposal.layout, step, self.moves + 1
+    extra = max(seconds - proposal.link_s, 0.0)
+    self.overhead_s = extra if self.overhead_s is None else 0.5 * (self.overhead_s + extra)
+
+  def state_dict(self) -> dict:
+    return {"moves": self.moves, "layout": self.layout.to_json()}

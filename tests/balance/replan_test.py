@@ -1,0 +1,108 @@
+"""Re-planning a pipelined layout on new speeds (`balance.replan`).
+
+The best candidate is at least as fast as every layer partition within the compiled slots
+(searched exhaustively, units split as the re-plan splits them), gives a slow device fewer
+units and its stage fewer layers, and stays in the compiled shapes. The decision moves only
+when the gain over the expected regime pays the move, after a change lasts `confirm` samples,
+and not within `min_dwell_steps` of the last move.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from semijax.balance import buckets
+from semijax.balance import replan
+from semijax.core import emulation
+from semijax.core import layout as layout_lib
+from semijax.core import pipeline_layout
+
+LAYERS, CAPACITY = 8, 6
+
+
+def emulator(speeds=(1, 1, 1, 1), bandwidth=np.inf, pipelines=1):
+  n = len(speeds)
+  devices = emulation.Devices.from_regions(speeds, [0] * n, [[1e-4]], [[bandwidth]])
+  grid = np.arange(n).reshape(pipelines, 2, n // (2 * pipelines))
+  return emulation.PipelineEmulator(devices, grid, {"mlp": 0.02, "heads": 0.5}, 1e5, 4e7, 1e6,
+                                    "1f1b", (1.0, 2.0))
+
+
+def start_layout(tensor=2):
+  units = layout_lib.Layout.for_model(d_model=64, num_heads=8, d_ff=256, num_devices=tensor)
+  big = buckets.bucket_layout(units, 2.0, 4)
+  return pipeline_layout.PipeLayout.build(LAYERS, "even", [big, big], capacity=CAPACITY)
+
+
+def planner(em=None, **kw):
+  return replan.Replanner(em or emulator(), start_layout(), (4,), 100, **kw)
+
+
+def test_best_beats_every_partition_and_unloads_the_slow_device():
+  rp = planner()
+  speeds = np.array([1.0, 0.25, 1.0, 1.0])              # stage 0, tensor position 1
+  layout, seconds = rp.best(speeds)
+  assert seconds == pytest.approx(rp.seconds(layout, speeds))
+  units = layout.units
+  for kind in ("mlp", "heads"):
+    fast, slow = units[0].kinds()[kind].counts
+    assert slow < fast
+    assert units[1].kinds()[kind].counts == layout_lib.even_counts(
+        units[1].kinds()[kind].num_units, 2)
+  assert layout.stage_layers[0] < layout.stage_layers[1] <= CAPACITY
+  assert layout.bucket() == rp.layout.bucket()
+  # Exhaustively: no partition within the slots, with these units, is faster.
+  for counts in itertools.product(range(1, CAPACITY + 1), repeat=2):
+    if sum(counts) == LAYERS:
+      assert seconds <= rp.seconds(replan.with_layers(layout, counts), speeds) + 1e-12
+  assert seconds < rp.seconds(rp.layout, speeds) * 0.8
+
+
+def test_equal_speeds_keep_the_even_layout():
+  rp = planner(confirm=1, min_dwell_steps=0)
+  for step in range(6):
+    assert rp.observe(step, np.ones(4), step_s=1e-3) is None
+  layout, _ = rp.best(np.ones(4))
+  assert layout == rp.layout
+
+
+def test_slowest_pipeline_sets_each_positions_units():
+  # Two pipelines: position 0 of stage 1 is slow in pipeline 1 only; both share the layout.
+  em = emulator((1, 1, 1, 1, 1, 1, 0.5, 1), pipelines=2)
+  rp = replan.Replanner(em, start_layout(), (2, 2), 100)
+  layout, _ = rp.best(em.devices.speeds)
+  assert layout.units[1].mlp.counts[0] < layout.units[1].mlp.counts[1]
+  assert layout.units[0].mlp.counts == (128, 128)
+
+
+def test_a_move_is_made_when_its_gain_pays_for_it():
+  speeds = np.array([1.0, 0.25, 1.0, 1.0])
+  # Free moves: after `confirm` = 2 samples of the new speeds it moves.
+  rp = planner(confirm=2, min_dwell_steps=0)
+  assert rp.observe(0, np.ones(4), step_s=1e-3) is None
+  assert rp.observe(1, speeds, step_s=1e-3) is None                 # one sample: a burst?
+  proposal = rp.observe(2, speeds, step_s=1e-3)
+  assert proposal is not None and proposal.new_s < proposal.now_s
+  assert (proposal.now_s - proposal.new_s) * proposal.horizon_steps > proposal.move_s
+  rp.moved(2, proposal, seconds=1e-3)
+  assert rp.layout == proposal.layout and rp.moves == 1
+  assert rp.observe(3, speeds, step_s=1e-3) is None                 # already there
+  # A move priced above what the gain earns over the expected regime is not made...
+  costly = planner(confirm=1, min_dwell_steps=0)
+  costly.prior_s = 1e6
+  assert all(costly.observe(s, speeds, step_s=1e-3) is None for s in range(5))
+  # ... nor one within `min_dwell_steps` of the last move.
+  dwell = planner(confirm=1, min_dwell_steps=10)
+  dwell.last_move = 0
+  assert all(dwell.observe(s, speeds, step_s=1e-3) is None for s in range(1, 10))
+  assert dwell.observe(10, speeds, step_s=1e-3) is not None
+
+
+def test_moving_state_over_slower_links_costs_more():
+  slow_link = planner(emulator(bandwidth=1e8))
+  fast_link = planner(emulator(bandwidth=1e10))
+  layout, _ = slow_link.best(np.array([1.0, 0.25, 1.0, 1.0]))
+  assert slow_link.link_seconds(slow_link.layout, slow_link.layout) == 0.0
+  assert slow_link.link_seconds(slow_link.layout, layout) > fast_link.link_seconds(
+      fast_link.layout, layout) > 0

@@ -1,0 +1,97 @@
+"""A pipelined run that re-plans online (`balance.policy = "semi"`, `train.stage_balance`).
+
+With a slow device in stage 0, the run moves layers to stage 1 and the slow device's units to
+its neighbour while it trains, and computes the same losses as the run that keeps the even
+layout; its checkpoint keeps the moved layout, and a run resumed from it continues there with
+the uninterrupted run's losses. The config refuses what it cannot re-plan, naming the field.
+The first move's cost is set to nothing here (the decision's pricing is `replan_test`'s), so
+that these short runs move on a machine of any speed.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+
+import helpers as H
+from semijax.errors import ConfigError
+from semijax.train import config as config_lib
+from semijax.train import loop as train
+from semijax.train import metrics
+from semijax.train import pipelined
+
+SPEEDS = (1, 0.25, 1, 1)        # stage 0's second tensor device is slow
+
+
+def config(policy: str, steps: int = 12):
+  c = H.tiny_gpt(tensor=2, steps=steps)
+  c.model.num_layers = 8
+  c.mesh.pipe = 2
+  c.pipeline.microbatches = 4
+  c.hetero.device_speeds = SPEEDS
+  c.hetero.device_gflops = 0.25           # emulated steps of about 0.2-0.5 s
+  c.balance.policy = policy
+  c.balance.probe_every = 2
+  c.balance.min_dwell_steps = 2
+  c.checkpoint_every = 6
+  c.keep_checkpoints = 2
+  c.optimizer.schedule_steps = 12
+  return c
+
+
+@pytest.fixture
+def free_first_move(monkeypatch):
+  warm_up = pipelined.Pipelined.warm_up
+
+  def zero_prior(self, step):
+    said = warm_up(self, step)
+    if self.balancer is not None:
+      self.balancer.replanner.prior_s = 0.0
+    return said
+
+  monkeypatch.setattr(pipelined.Pipelined, "warm_up", zero_prior)
+
+
+def test_semi_moves_layers_and_units_off_the_slow_device(tmp_path, free_first_move):
+  even = train.train_and_evaluate(config("even"), str(tmp_path / "even"))
+  semi = train.train_and_evaluate(config("semi"), str(tmp_path / "semi"))
+  assert semi["replans"] >= 1
+  layout = semi["layout"]
+  layers = [len(owned) for owned in layout["layers"]]
+  assert layers[0] < layers[1] and sum(layers) == 8
+  mlp = layout["units"][0]["mlp"]
+  assert len(mlp["owned"][1]) < len(mlp["owned"][0])
+  np.testing.assert_allclose(semi["losses"], even["losses"], rtol=2e-5)
+  # Every step's emulated time is that of the layout it ran in: less once moved.
+  records = metrics.read_jsonl(str(tmp_path / "semi" / "metrics.jsonl"))
+  emulated = [r["pipeline/emulated_s"] for r in records]
+  assert emulated[-1] < 0.8 * emulated[0]
+  # Resumed from the checkpoint after the move: in the moved layout, the same losses.
+  resumed_dir = tmp_path / "resumed"
+  shutil.copytree(tmp_path / "semi", resumed_dir)
+  shutil.rmtree(resumed_dir / "checkpoints" / "12")
+  resumed = train.train_and_evaluate(config("semi"), str(resumed_dir))
+  assert resumed["start_step"] == 6
+  assert resumed["layout"] == layout and resumed["replans"] == 0
+  np.testing.assert_allclose(resumed["losses"], semi["losses"][6:], rtol=2e-5)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"hetero.device_speeds": ()}, "config.balance.measure"),
+    ({"balance.measure": "probe"}, "config.balance.measure"),
+    ({"sync.mode": "ssaw", "mesh.data": 2, "hetero.device_speeds": SPEEDS * 2},
+     "config.sync.mode"),
+    ({"balance.policy": "migrate"}, "config.balance.policy"),
+    ({"balance.policy": "even", "hetero.device_speeds": (), "hetero.rotate_every": 4},
+     "config.hetero.rotate_every"),
+])
+def test_what_cannot_re_plan_is_named(fields, field):
+  c = config("semi")
+  for key, value in fields.items():
+    *path, leaf = key.split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    config_lib.validate(c, 8)
