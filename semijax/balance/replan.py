@@ -47,8 +47,10 @@ from semijax.core import schedule as schedule_lib
 PipeLayout = pipeline_layout.PipeLayout
 # Parameter, first and second moment: the copies of every parameter a move carries.
 STATE_COPIES = 3
-# Layer moves tried per re-plan, at most.
+# Layer moves tried per re-plan, at most; beyond this many stages a layer moves only to a
+# neighbouring stage or off the busiest one (as the planner's search does).
 MAX_MOVES = 64
+ALL_PAIRS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +93,21 @@ def with_layers(layout: PipeLayout, counts: Sequence[int]) -> PipeLayout:
                                                       capacity=cap, widths=(cap,)), layout.units)
 
 
-def neighbours(counts: Sequence[int], capacity: int) -> list[tuple[int, ...]]:
-  """Partitions one layer away: any stage with two or more gives one to any stage with a
-  free slot."""
+def neighbours(counts: Sequence[int], capacity: int,
+               weights: Sequence[float] | None = None) -> list[tuple[int, ...]]:
+  """Partitions one layer away: a stage with two or more gives one to a stage with a free slot;
+  any to any up to `ALL_PAIRS` stages, beyond to a neighbouring stage, and the busiest stage
+  (largest layers x `weights`, one layer's time) to any."""
+  s_ = len(counts)
+  if s_ <= ALL_PAIRS:
+    pairs = list(itertools.permutations(range(s_), 2))
+  else:
+    busiest = int(np.argmax(np.asarray(counts) * np.asarray(weights if weights is not None
+                                                            else np.ones(s_))))
+    pairs = sorted({(i, i + d) for i in range(s_) for d in (-1, 1) if 0 <= i + d < s_}
+                   | {(busiest, j) for j in range(s_) if j != busiest})
   out = []
-  for i, j in itertools.permutations(range(len(counts)), 2):
+  for i, j in pairs:
     if counts[i] > 1 and counts[j] < capacity:
       x = list(counts)
       x[i] -= 1
@@ -129,6 +141,7 @@ class Replanner:
     self.overhead_s: float | None = None     # measured seconds of a move beyond its links
     self.prior_s = 0.0                       # ... before any was measured, at least this
     self.moves = 0
+    self._best = None      # (regime speeds, layout) -> the best candidate, until either changes
 
   def seconds(self, layout: PipeLayout, speeds) -> float:
     """The predicted seconds of a step of `layout` on devices of `speeds` [D]."""
@@ -153,7 +166,7 @@ class Replanner:
         continue
       value = price(counts)
       for _ in range(MAX_MOVES):
-        near = neighbours(counts, cap)
+        near = neighbours(counts, cap, per_layer)
         values = [price(c) for c in near]
         if not near or not min(values) < value:
           break
@@ -198,16 +211,21 @@ class Replanner:
     latency, bandwidth = em.devices.group_link(em.grid.reshape(-1))
     return schedule_lib.send_s(nbytes, latency, bandwidth)
 
-  def observe(self, step: int, speeds, step_s: float) -> Proposal | None:
+  def observe(self, step: int, speeds, step_s: float, scale: float = 1.0) -> Proposal | None:
     """A sample of relative speeds [D] after 0-based `step` (whose measured seconds were
-    `step_s`); returns the re-plan to make now, or None."""
+    `step_s`); returns the re-plan to make now, or None. `scale`: measured seconds per predicted
+    second (the time model's steps are multiplied by it; links are not)."""
     speeds = np.asarray(speeds, np.float64)
     self.tracker.update(1.0 / speeds, float(step))
     if step - self.last_move < self.min_dwell_steps:
       return None
     current = self.tracker.speeds * speeds.max()    # the regime's, at the sample's scale
-    now_s = self.seconds(self.layout, current)
-    layout, new_s = self.best(current)
+    key = (tuple(np.round(self.tracker.speeds, 3).tolist()), self.layout)
+    if self._best is None or self._best[0] != key:
+      self._best = (key, self.best(current))
+    layout, new_s = self._best[1]
+    now_s = self.seconds(self.layout, current) * scale
+    new_s *= scale
     if layout == self.layout or not new_s < now_s * (1.0 - self.hysteresis):
       return None
     left = self.total_steps - step - 1

@@ -635,13 +635,20 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
 
 def _check_replanning(balance: settings_lib.BalanceSettings, devices, mode: str, syncs,
                       process_count: int) -> None:
-  """Raises ConfigError naming the field where a pipelined `semi` run cannot re-plan: it needs
-  emulated speeds (`hetero.device_speeds`), the `sync` mode and one process."""
+  """Raises ConfigError naming the field where a pipelined `semi` run cannot re-plan: it reads
+  emulated speeds (`hetero.device_speeds`) or times the devices with the probe, in the `sync`
+  mode, in one process."""
   if balance.policy != "semi":
     return
-  if devices is None or balance.measure not in ("auto", "emulated"):
-    raise ConfigError("config.balance.measure: a pipelined run re-plans on the emulated speeds "
-                      "of hetero.device_speeds (measure 'emulated' or 'auto'); set them")
+  measure = balance.measure
+  if devices is not None and measure not in ("auto", "emulated"):
+    raise ConfigError(f"config.balance.measure: a pipelined run with hetero.device_speeds or "
+                      f"hetero.links re-plans on their emulated speeds ('emulated' or 'auto'), "
+                      f"not {measure!r}")
+  if devices is None and measure not in ("auto", "probe"):
+    raise ConfigError(f"config.balance.measure: a pipelined run times its devices with the probe "
+                      f"('probe' or 'auto'; 'emulated' needs hetero.device_speeds), not "
+                      f"{measure!r}")
   if mode != "sync" or set(syncs) != {"sync"}:
     raise ConfigError("config.sync.mode: a pipelined 'semi' run combines its pipelines with "
                       f"'sync' (a re-plan would have to move in-flight replica state), not "

@@ -195,12 +195,15 @@ def replanning_layout(layout: pipeline.PipeLayout, factor: float, num_widths: in
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """What a pipelined run runs: the plan, the engine, its layout and the emulation (or None)."""
+  """What a pipelined run runs: the plan, the engine, its layout, the emulation (or None), and
+  the time model a re-planning run prices layouts with: the emulation, or without one the
+  plan's devices at speed 1 over free links (`semi` scales it by the measured speeds)."""
 
   plan: planner_plan.Plan
   engine: pipeline.PipelineEngine
   layout: pipeline.PipeLayout
   emulator: emulation.PipelineEmulator | None
+  time_model: emulation.PipelineEmulator
 
 
 def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
@@ -218,16 +221,17 @@ def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
     layout = replanning_layout(layout, run.balance.capacity_factor,
                                run.balance.num_widths or run.pipeline.num_widths,
                                run.pipeline.layer_capacity)
-  emulator = None
-  if run.pipeline.devices is not None:
-    tokens = plan.microbatch_size * run.model.seq_len
-    stack_bytes, shared_bytes = engine.local_bytes(layout)
-    costs = model_costs(run)
-    emulator = emulation.PipelineEmulator(
-        run.pipeline.devices, plan.grid(), costs.unit_ms(tokens),
-        costs.activation_bytes(tokens), stack_bytes, shared_bytes, plan.schedule,
-        tuple(1e3 * costs.edge_s(tokens, plan.pipe)))
-  return Setup(plan, engine, layout, emulator)
+  n = plan.num_devices
+  emulated = run.pipeline.devices
+  tokens = plan.microbatch_size * run.model.seq_len
+  stack_bytes, shared_bytes = engine.local_bytes(layout)
+  costs = model_costs(run)
+  model = emulation.PipelineEmulator(
+      emulated if emulated is not None else emulation.Devices(
+          np.ones(n), np.zeros((n, n)), np.full((n, n), np.inf)),
+      plan.grid(), costs.unit_ms(tokens), costs.activation_bytes(tokens), stack_bytes,
+      shared_bytes, plan.schedule, tuple(1e3 * costs.edge_s(tokens, plan.pipe)))
+  return Setup(plan, engine, layout, model if emulated is not None else None, model)
 
 
 def emulated_step(setup: Setup) -> dict:

@@ -108,6 +108,8 @@ class Pipelined:
 
   def close(self) -> None:
     self.batches.close()
+    if self.balancer is not None:
+      self.balancer.close()
 
   def init(self, seed: int) -> None:
     self.state = self.engine.init(seed, self.layout)
@@ -167,22 +169,28 @@ class Pipelined:
     t0, before = time.perf_counter(), self.engine.compile_count
     self.engine.compile(self.state, self._batch(step), self.pplan, self.eval_batches[0])
     compiled = self.engine.compile_count - before
-    if self.balancer is not None and compiled:
-      self.balancer.replanner.prior_s = (time.perf_counter() - t0) / compiled
+    if self.balancer is not None:
+      if compiled:
+        self.balancer.replanner.prior_s = (time.perf_counter() - t0) / compiled
+      self.balancer.warm_up()
+      return f"{self.engine.compile_count} step programs compiled; {self.balancer.describe()}"
     return f"{self.engine.compile_count} step programs compiled"
 
   def step(self, step: int) -> executor_lib.StepResult:
     """Runs 0-based `step` (its batch made while the step before ran, `prefetch.Prefetch`)
     and then the emulated devices' time. Without an emulation the step runs ahead (dispatched,
     not waited for: metrics on the devices, seconds None; the loop waits where it needs
-    them); on XLA:CPU at most two steps are in flight (see `tensor.TensorParallel.step`)."""
+    them), except a `semi` run's sampling step; on XLA:CPU at most two steps are in flight
+    (see `tensor.TensorParallel.step`). A `semi` run may then move its state
+    (`stage_balance`): the step's seconds hold the move, its notes say it."""
     batch = self.batches.get(step)
     plan = self.setup.plan
     t0 = time.perf_counter()
     self.state, m = self.engine.train_step(self.state, batch, self.pplan)
     scalars = {"pipeline/predicted_s": plan.predicted_s,
                "pipeline/bubble": plan.breakdown["bubble"]}
-    if self.run.run_ahead and self.emulated is None:
+    sampled = self.balancer is not None and self.balancer.due(step)
+    if self.run.run_ahead and self.emulated is None and not sampled:
       if self._one_behind and self._previous is not None:
         jax.block_until_ready(self._previous)
       self._previous = m
@@ -194,7 +202,7 @@ class Pipelined:
       scalars["pipeline/emulated_s"] = emulated["step_s"]
     notes = ()
     if self.balancer is not None:
-      self.state, note = self.balancer.after_step(step, self.state, time.perf_counter() - t0)
+      self.state, note = self.balancer.after_step(step, self.state)
       if note is not None:
         self.layout = self.balancer.layout
         self.pplan = self.engine.plan(self.layout, self.counts)

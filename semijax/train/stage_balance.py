@@ -4,18 +4,26 @@ decides whether moving layers between stages and units inside them pays, and the
 (`core.pipeline.PipelineEngine.move`: weights and Adam moments together, between the compiled
 slots and widths, so nothing recompiles but the migration).
 
-The speeds are the emulated ones (`hetero.device_speeds`, shifted by one device id every
-`hetero.rotate_every` steps); the emulation sleeps each step's time at the speeds of that step
-and each move's transfers over the emulated links.
+Where the speeds come from:
+  * emulated (`hetero.device_speeds`, shifted by one device id every `hetero.rotate_every`
+    steps): the emulation sleeps each step's time at that step's speeds and each move's
+    transfers over the emulated links; the time model is the emulation's;
+  * measured (no emulation): `balance.probe.Probe` times the model's MLP block on every device
+    of the mesh at once (sized to `balance.probe_budget` of the time between samples unless
+    `balance.probe_repeats` is set; the median of the last `balance.probe_window` samples). The
+    time model is the plan's devices at speed 1 over free links, at the measured relative
+    speeds, scaled so that the current layout's prediction is the measured step time.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 
 import jax
 import numpy as np
 
+from semijax.balance import probe as probe_lib
 from semijax.balance import replan as replan_lib
 from semijax.core import emulation
 from semijax.core import pipeline
@@ -31,13 +39,58 @@ def layout_text(layout: pipeline.PipeLayout) -> str:
   return f"layers {','.join(map(str, layout.stage_layers))}; {kinds.rstrip(';')}"
 
 
+class ProbedSpeeds:
+  """Relative speeds [D] of the plan's devices, timed by the probe (see module doc).
+
+  Args:
+    run: the validated run (`balance`'s probe settings, the model).
+    setup: its plan (which device sits at each mesh position) and engine.
+  """
+
+  def __init__(self, run: config_lib.RunConfig, setup: setup_lib.Setup):
+    b, plan = run.balance, setup.plan
+    devices = jax.devices()
+    self.index = {devices[i].id: i for i in plan.device_order}
+    self.num_devices = plan.num_devices
+    tokens = plan.microbatch_size * run.model.seq_len
+    shape = probe_lib.ProbeShape.configured(
+        b.probe_size, probe_lib.ProbeShape.of_block(run.model, tokens, plan.tensor))
+    self.probe = probe_lib.Probe(shape, max(1, b.probe_repeats),
+                                 [devices[i] for i in plan.device_order])
+    self.budget = b.probe_budget * b.probe_every if b.probe_repeats == 0 else None
+    self.recent = collections.deque(maxlen=b.probe_window)
+
+  def warm_up(self) -> None:
+    self.probe.warm_up()
+
+  def sample(self, step_s: float) -> np.ndarray:
+    """float [D]: relative speeds (fastest 1; idle devices 1), the median of the window; the
+    first sample sizes the probe to its budget of `step_s`-long steps."""
+    if self.budget is not None:
+      pass_s = max(self.probe.pass_seconds().values())
+      self.probe.set_repeats(probe_lib.passes_for(self.budget * step_s, pass_s))
+      self.budget = None
+    times = np.ones(self.num_devices)
+    measured = self.probe.measure()
+    for device_id, seconds in measured.items():
+      times[self.index[device_id]] = seconds
+    mesh = list(self.index.values())
+    times[[i for i in range(self.num_devices) if i not in self.index.values()]] = (
+        times[mesh].min())
+    self.recent.append(times / times.min())
+    return 1.0 / np.median(np.stack(self.recent), axis=0)
+
+  def close(self) -> None:
+    self.probe.close()
+
+
 class StageBalancer:
   """Samples speeds, asks the `replan.Replanner` and moves the state (see module doc).
 
   Args:
     run: the validated run (`balance`, `pipeline.rotate_every`, `steps`).
-    setup: its plan, engine, start layout and emulation (`pipeline_setup.build`; the emulation
-      is set: `config` requires `hetero.device_speeds` for `semi`).
+    setup: its plan, engine, start layout, emulation (or None: the probe measures) and time
+      model (`pipeline_setup.build`).
   """
 
   def __init__(self, run: config_lib.RunConfig, setup: setup_lib.Setup):
@@ -45,38 +98,58 @@ class StageBalancer:
     self.every, self.rotate = run.balance.probe_every, run.pipeline.rotate_every
     b = run.balance
     self.replanner = replan_lib.Replanner(
-        setup.emulator, setup.layout, setup.plan.microbatches, run.steps,
+        setup.time_model, setup.layout, setup.plan.microbatches, run.steps,
         hysteresis=b.hysteresis, min_dwell_steps=b.min_dwell_steps, speed_alpha=b.speed_alpha,
         change_threshold=b.change_threshold, confirm=b.confirm)
     self.microbatches = setup.plan.microbatches
+    self.probed = ProbedSpeeds(run, setup) if setup.emulator is None else None
+    self._since = None          # when the steps since the last sample started
 
   @property
   def layout(self) -> pipeline.PipeLayout:
     return self.replanner.layout
 
+  def describe(self) -> str:
+    source = "emulated speeds" if self.probed is None else "the probe's speeds"
+    return f"re-planning on {source} every {self.every} steps"
+
+  def due(self, step: int) -> bool:
+    """Whether 0-based `step` ends with a sample (and maybe a move)."""
+    return (step + 1) % self.every == 0
+
   def speeds_at(self, step: int) -> np.ndarray:
     """float [D]: the emulated devices' speeds in 0-based `step`."""
     return self.emulator.devices.speeds_at(step, self.rotate)
 
-  def emulated(self, step: int) -> dict:
-    """The emulated time of 0-based `step` in the current layout
-    (`PipelineEmulator.layout_step`)."""
-    return self.emulator.with_speeds(self.speeds_at(step)).layout_step(self.layout,
-                                                                       self.microbatches)
+  def warm_up(self) -> None:
+    if self.probed is not None:
+      self.probed.warm_up()
+    self._since = time.perf_counter()
 
-  def after_step(self, step: int, state, step_s: float):
-    """(state, note or None): on a sampling step, the state moved to a re-plan that pays."""
-    if (step + 1) % self.every:
+  def after_step(self, step: int, state):
+    """(state, note or None): on a sampling step, the state moved to a re-plan that pays. The
+    step time it decides on is the mean since the last sample (or warm-up), which holds the
+    steps that ran ahead too."""
+    if not self.due(step):
       return state, None
-    proposal = self.replanner.observe(step, self.speeds_at(step), step_s)
+    now = time.perf_counter()
+    step_s = (now - (self._since or now)) / self.every
+    self._since = now
+    if self.probed is None:
+      speeds, scale = self.speeds_at(step), 1.0
+    else:
+      speeds = self.probed.sample(step_s)
+      scale = step_s / self.replanner.seconds(self.layout, speeds)
+    proposal = self.replanner.observe(step, speeds, step_s, scale=scale)
     if proposal is None:
       return state, None
     old = self.layout
     t0 = time.perf_counter()
     state = self.engine.move(state, old, proposal.layout, donate=True)
     jax.block_until_ready(state)
-    emulation.Emulator.sleep(proposal.link_s)
-    seconds = time.perf_counter() - t0
+    emulation.Emulator.sleep(proposal.link_s if self.probed is None else 0.0)
+    self._since = time.perf_counter()
+    seconds = self._since - t0
     self.replanner.moved(step, proposal, seconds)
     note = (f"re-plan after step {step + 1}: {layout_text(old)} -> "
             f"{layout_text(proposal.layout)}; predicted {proposal.now_s:.3f} -> "
@@ -87,6 +160,10 @@ class StageBalancer:
   def restored(self, layout: pipeline.PipeLayout) -> None:
     """The run resumed in `layout` (a saved re-plan)."""
     self.replanner.layout = layout
+
+  def close(self) -> None:
+    if self.probed is not None:
+      self.probed.close()
 
   def summary(self) -> dict:
     return {"replans": self.replanner.moves, "layout": self.layout.to_json()}

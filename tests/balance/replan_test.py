@@ -106,3 +106,28 @@ def test_moving_state_over_slower_links_costs_more():
   assert slow_link.link_seconds(slow_link.layout, slow_link.layout) == 0.0
   assert slow_link.link_seconds(slow_link.layout, layout) > fast_link.link_seconds(
       fast_link.layout, layout) > 0
+
+
+def test_many_stages_move_a_layer_to_a_neighbour_or_off_the_busiest():
+  counts = (2,) * 10
+  near = replan.neighbours(counts, 4, weights=[1.0] * 9 + [3.0])      # stage 9 is the busiest
+  moves = set()
+  for c in near:
+    diff = np.asarray(c) - np.asarray(counts)
+    moves.add((int(np.argmin(diff)), int(np.argmax(diff))))
+  assert all(abs(i - j) == 1 or i == 9 for i, j in moves)
+  assert len(moves) == len(near) == 18 + 8
+  assert len(replan.neighbours((2, 2, 2), 4)) == 6                    # few stages: any to any
+
+
+def test_the_search_runs_once_per_regime_and_layout():
+  rp = planner(confirm=1, min_dwell_steps=0)
+  rp.prior_s = 1e9                                                    # never moves
+  searched, best = [], rp.best
+  rp.best = lambda speeds: searched.append(1) or best(speeds)
+  slow = np.array([1.0, 0.25, 1.0, 1.0])
+  for step in range(5):
+    assert rp.observe(step, slow, step_s=1e-3) is None
+  assert len(searched) == 1
+  rp.observe(5, np.array([1.0, 1.0, 0.25, 1.0]), step_s=1e-3)
+  assert len(searched) == 2

@@ -1,9 +1,10 @@
 """A pipelined run that re-plans online (`balance.policy = "semi"`, `train.stage_balance`).
 
-With a slow device in stage 0, the run moves layers to stage 1 and the slow device's units to
-its neighbour while it trains, and computes the same losses as the run that keeps the even
-layout; its checkpoint keeps the moved layout, and a run resumed from it continues there with
-the uninterrupted run's losses. The config refuses what it cannot re-plan, naming the field.
+With a slow device in stage 0, emulated or seen by the probe, the run moves layers to stage 1
+and the slow device's units to its neighbour while it trains, and computes the same losses as
+the run that keeps the even layout; its checkpoint keeps the moved layout, and a run resumed
+from it continues there with the uninterrupted run's losses. The config refuses what it cannot
+re-plan, naming the field.
 The first move's cost is set to nothing here (the decision's pricing is `replan_test`'s), so
 that these short runs move on a machine of any speed.
 """
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import helpers as H
+from semijax.balance import probe as probe_lib
 from semijax.errors import ConfigError
 from semijax.train import config as config_lib
 from semijax.train import loop as train
@@ -76,8 +78,35 @@ def test_semi_moves_layers_and_units_off_the_slow_device(tmp_path, free_first_mo
   np.testing.assert_allclose(resumed["losses"], semi["losses"][6:], rtol=2e-5)
 
 
+def slow_probe(monkeypatch, slow_id: int, factor: float) -> None:
+  """Makes the probe read device `slow_id` `factor` times slower than the others."""
+  measure = probe_lib.Probe.measure
+
+  def measured(self):
+    return {d: s * (factor if d == slow_id else 1.0) for d, s in measure(self).items()}
+
+  monkeypatch.setattr(probe_lib.Probe, "measure", measured)
+
+
+def test_semi_sees_a_slow_device_through_the_probe(tmp_path, free_first_move, monkeypatch):
+  slow_probe(monkeypatch, slow_id=1, factor=4.0)
+  c = config("semi")
+  c.hetero.device_speeds = ()
+  c.balance.probe_window = 1
+  probed = train.train_and_evaluate(c, str(tmp_path / "probed"))
+  assert probed["replans"] >= 1
+  layers = [len(owned) for owned in probed["layout"]["layers"]]
+  mlp = probed["layout"]["units"][0]["mlp"]
+  assert layers[0] < layers[1] and len(mlp["owned"][1]) < len(mlp["owned"][0])
+  c = config("even")
+  c.hetero.device_speeds = ()
+  even = train.train_and_evaluate(c, str(tmp_path / "even"))
+  np.testing.assert_allclose(probed["losses"], even["losses"], rtol=2e-5)
+
+
 @pytest.mark.parametrize("fields, field", [
-    ({"hetero.device_speeds": ()}, "config.balance.measure"),
+    ({"hetero.device_speeds": (), "balance.measure": "emulated"}, "config.balance.measure"),
+    ({"hetero.device_speeds": (), "balance.measure": "sched"}, "config.balance.measure"),
     ({"balance.measure": "probe"}, "config.balance.measure"),
     ({"sync.mode": "ssaw", "mesh.data": 2, "hetero.device_speeds": SPEEDS * 2},
      "config.sync.mode"),

@@ -1,0 +1,52 @@
+r"""Re-planning a pipeline while it trains: `semi` against the even pipeline, with device speeds
+that shift every `--rotate_every` steps, on 8 emulated devices in two regions
+(`configs/gpt_harmony.py`).
+
+  python experiments/bench_replan.py             # 3 interleaved rounds of 60-step runs (~10 min)
+
+Writes --out/{bench_replan.json, bench_replan.md}: each policy's training seconds (median and
+spread over rounds), its speedup over even (per round), its logged emulated step, its re-plans
+and validation loss, and the time model's oracle and ideal (`benchmarks/replan.py` says how
+each is measured).
+"""
+
+import os
+import sys
+
+# 8 fake CPU devices unless the caller chose a device count (read when the backend starts).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+import jax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import replan  # noqa: E402
+from semijax.runtime import cli  # noqa: E402
+
+_OUT = flags.DEFINE_string("out", "results/bench_replan", "Output directory.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every policy.")
+_STEPS = flags.DEFINE_integer("steps", 60, "Steps per run.")
+_ROTATE = flags.DEFINE_integer("rotate_every", 20, "Steps between shifts of the speeds.")
+_GFLOPS = flags.DEFINE_float("device_gflops", 1.0, "Emulated GFLOP/s of a device at speed 1.")
+
+
+def main(argv):
+  del argv
+  logging.get_absl_handler().addFilter(cli.quiet_libraries)
+  if jax.device_count() < 8:
+    raise app.UsageError(f"needs 8 devices, found {jax.device_count()} (XLA_FLAGS was set to "
+                         "another count)")
+  scenario = replan.Scenario(_STEPS.value, _ROTATE.value, _GFLOPS.value)
+  out = os.path.abspath(_OUT.value)
+  with cli.one_line_errors():
+    replan.run(out, scenario, _ROUNDS.value)
+  print(f"results in {out}")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.parse_flags)
