@@ -1,15 +1,17 @@
 """Re-planning a pipeline while it trains: `semi` against the even pipeline that keeps its
-layout, when device speeds shift, on 8 emulated devices in two regions.
+layout, on 8 emulated devices in two regions.
 
-The scenario is `configs/gpt_harmony.py` (an 8-layer GPT; stage 0 on four devices at speed 1,
+The setting is `configs/gpt_harmony.py` (an 8-layer GPT; stage 0 on four devices at speed 1,
 stage 1 on four at 0.5; links between the regions 100x slower) at `device_gflops` 1.0 (a step
-of about a second of emulated time), with the speeds shifted by one device id every
+of about 2 s, most of it emulated). Two scenarios: `persistent`, those speeds throughout (a
+layout made without knowing them), and `rotating`, the speeds shifted by one device id every
 `rotate_every` steps, so that slow devices enter stage 0 and fast ones stage 1.
 
 Cells, each a whole run through the training loop (`train.loop.train_and_evaluate`), in
-interleaved rounds (`rounds.interleave`): `even` (the config's even pipeline, kept) and `semi`
-(re-planning, `balance.replan`). A cell's figure is its training seconds (the sum of its step
-times, moves included; warm-up and validation left out). Per round, even / semi is the speedup.
+interleaved rounds (`rounds.interleave`): per scenario `even` (the config's even pipeline,
+kept) and `semi` (re-planning, `balance.replan`). A cell's figure is its training seconds (the
+sum of its step times, moves included; warm-up and validation left out). Per round,
+even / semi is the speedup.
 Also, from the time model alone (no run): the oracle, which at every step runs the best layout
 `balance.replan` finds for that step's speeds and moves for free, and the ideal, every device
 busy at its speed with no bubble and free links (`harmony.ideal_step_s`); `semi`'s emulated
@@ -17,7 +19,7 @@ seconds (the time model's part of its steps) against the oracle's show what its 
 leave, its measured seconds against its emulated ones what moves and this machine's real
 compute add.
 
-    python experiments/bench_replan.py             # 3 rounds of 60-step runs (~10 min)
+    python experiments/bench_replan.py      # 3 rounds of 4 runs of 60 steps (~27 min)
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from semijax.train import pipeline_setup
 from semijax.train import stage_balance
 
 POLICIES = ("even", "semi")
+SCENARIOS = ("persistent", "rotating")
 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-  """The runs' length and the speeds' shifts (see module doc)."""
+  """The runs' length and the speeds' shifts (see module doc); `rotate_every` 0: persistent."""
 
   steps: int = 60
   rotate_every: int = 20
@@ -60,8 +63,13 @@ class Scenario:
     return c
 
 
-def run_cell(scenario: Scenario, policy: str, cells: dict) -> float:
-  """Trains one run of `policy`; keeps its summary and emulated seconds in `cells`; returns
+def scenarios(steps: int, rotate_every: int, device_gflops: float) -> dict:
+  return {"persistent": Scenario(steps, 0, device_gflops),
+          "rotating": Scenario(steps, rotate_every, device_gflops)}
+
+
+def run_cell(scenario: Scenario, policy: str, cells: list) -> float:
+  """Trains one run of `policy`; appends its summary and emulated seconds to `cells`; returns
   its training seconds."""
   workdir = tempfile.mkdtemp(prefix=f"replan_{policy}_")
   try:
@@ -71,9 +79,9 @@ def run_cell(scenario: Scenario, policy: str, cells: dict) -> float:
     shutil.rmtree(workdir, ignore_errors=True)
   seconds = float(sum(summary["step_times_s"]))
   emulated = [r["pipeline/emulated_s"] for r in records if "pipeline/emulated_s" in r]
-  cells.setdefault(policy, []).append({
-      "train_s": seconds, "replans": summary.get("replans", 0), "val_loss": summary["val/loss"],
-      "logged_emulated_mean_s": float(np.mean(emulated))})
+  cells.append({"train_s": seconds, "replans": summary.get("replans", 0),
+                "val_loss": summary["val/loss"],
+                "logged_emulated_mean_s": float(np.mean(emulated))})
   return seconds
 
 
@@ -97,45 +105,48 @@ def model_seconds(scenario: Scenario) -> dict:
   return totals
 
 
-def table(figures: dict, cells: dict, model: dict, rounds: int) -> str:
+def table(figures: dict, cells: dict, models: dict, rounds: int) -> str:
   """The result table (see module doc), with its commit, date, machine and command."""
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
   head = (f"commit {commit}, {time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core machine, "
           f"command: `python experiments/bench_replan.py --rounds={rounds}`\n\n")
   rows = []
-  for policy in POLICIES:
-    s = rounds_lib.stats(figures[policy])
-    speedup = rounds_lib.ratio_stats(figures["even"], figures[policy])
-    replans = sorted({c["replans"] for c in cells[policy]})
-    emulated = float(np.median([c["logged_emulated_mean_s"] for c in cells[policy]]))
-    rows.append([policy, f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})",
-                 f"{speedup['median']:.2f} ({speedup['min']:.2f}-{speedup['max']:.2f})",
-                 f"{emulated:.3f}", ",".join(map(str, replans)),
-                 f"{cells[policy][-1]['val_loss']:.4f}"])
-  rows.append(["oracle (time model)", f"{model['oracle']:.1f}",
-               f"{model['even'] / model['oracle']:.2f}", "–", "at every shift, free", "–"])
-  rows.append(["ideal (time model)", f"{model['ideal']:.1f}",
-               f"{model['even'] / model['ideal']:.2f}", "–", "–", "–"])
+  for name, model in models.items():
+    for policy in POLICIES:
+      key = f"{name}/{policy}"
+      if not figures.get(key):
+        continue
+      s = rounds_lib.stats(figures[key])
+      speedup = rounds_lib.ratio_stats(figures[f"{name}/even"], figures[key])
+      emulated = float(np.median([c["logged_emulated_mean_s"] for c in cells[key]]))
+      replans = ",".join(map(str, sorted({c["replans"] for c in cells[key]})))
+      rows.append([name, policy, f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})",
+                   f"{speedup['median']:.2f} ({speedup['min']:.2f}-{speedup['max']:.2f})",
+                   f"{emulated:.3f}", replans, f"{cells[key][-1]['val_loss']:.4f}"])
+    for bound in ("oracle", "ideal"):
+      rows.append([name, f"{bound} (time model)", f"{model[bound]:.1f}",
+                   f"{model['even'] / model[bound]:.2f}", "–", "–", "–"])
   return head + report.markdown_table(
-      ["cell", "training s, median (spread)", "speedup over even",
+      ["scenario", "cell", "training s, median (spread)", "speedup over even",
        "logged emulated s/step", "re-plans", "val_loss"], rows)
 
 
-def run(out_dir: str, scenario: Scenario, rounds: int, say=print) -> dict:
-  """Every cell in `rounds` interleaved rounds; writes the JSON and table after each round
-  and returns the payload."""
-  model = model_seconds(scenario)
-  cells: dict = {}
+def run(out_dir: str, cases: dict, rounds: int, say=print) -> dict:
+  """Every scenario's cells in `rounds` interleaved rounds; writes the JSON and table after
+  each round and returns the payload."""
+  models = {name: model_seconds(scenario) for name, scenario in cases.items()}
+  cells = {f"{name}/{p}": [] for name in cases for p in POLICIES}
+  measures = {key: (lambda key=key: run_cell(cases[key.split("/")[0]], key.split("/")[1],
+                                             cells[key])) for key in cells}
   payload = {}
 
   def after_round(figures):
-    payload.update(figures=figures, cells=cells, model=model,
-                   scenario=dataclasses.asdict(scenario))
+    payload.update(figures=figures, cells=cells, models=models,
+                   scenarios={k: dataclasses.asdict(v) for k, v in cases.items()})
     paths = report.write(out_dir, "bench_replan", payload,
-                         table(figures, cells, model, rounds))
+                         table(figures, cells, models, rounds))
     say(open(paths["md"]).read())
 
-  rounds_lib.interleave({p: (lambda p=p: run_cell(scenario, p, cells)) for p in POLICIES},
-                        rounds, after_round)
+  rounds_lib.interleave(measures, rounds, after_round)
   return payload

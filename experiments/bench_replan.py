@@ -1,13 +1,13 @@
 r"""Re-planning a pipeline while it trains: `semi` against the even pipeline, with device speeds
-that shift every `--rotate_every` steps, on 8 emulated devices in two regions
+that persist or shift every `--rotate_every` steps, on 8 emulated devices in two regions
 (`configs/gpt_harmony.py`).
 
-  python experiments/bench_replan.py             # 3 interleaved rounds of 60-step runs (~10 min)
+  python experiments/bench_replan.py      # 3 interleaved rounds of 4 runs of 60 steps (~27 min)
 
-Writes --out/{bench_replan.json, bench_replan.md}: each policy's training seconds (median and
-spread over rounds), its speedup over even (per round), its logged emulated step, its re-plans
-and validation loss, and the time model's oracle and ideal (`benchmarks/replan.py` says how
-each is measured).
+Writes --out/{bench_replan.json, bench_replan.md}: per scenario each policy's training seconds
+(median and spread over rounds), its speedup over even (per round), its logged emulated step,
+its re-plans and validation loss, and the time model's oracle and ideal
+(`benchmarks/replan.py` says how each is measured).
 """
 
 import os
@@ -41,10 +41,10 @@ def main(argv):
   if jax.device_count() < 8:
     raise app.UsageError(f"needs 8 devices, found {jax.device_count()} (XLA_FLAGS was set to "
                          "another count)")
-  scenario = replan.Scenario(_STEPS.value, _ROTATE.value, _GFLOPS.value)
+  cases = replan.scenarios(_STEPS.value, _ROTATE.value, _GFLOPS.value)
   out = os.path.abspath(_OUT.value)
   with cli.one_line_errors():
-    replan.run(out, scenario, _ROUNDS.value)
+    replan.run(out, cases, _ROUNDS.value)
   print(f"results in {out}")
 
 

@@ -8,13 +8,15 @@ bucket (capacity and compute widths), so a re-plan compiles nothing but its migr
 (`core.pipeline.PipelineEngine.move`).
 
 Candidates, for speeds v [D] by device id:
-  units   each stage's units of each kind in proportion to the slowest pipeline's device at
-          each tensor position (`core.layout.proportional_counts`, at most the bucket's
-          capacity), reached from the current owners by moving as few units as possible
-          (`buckets.rebalance`);
-  layers  from the current partition, the even one and the one in proportion to each stage's
-          speed (one layer's time on its slowest device), one layer at a time between any two
-          stages while the predicted step falls, every stage within its compiled slots.
+  units   the current ones, or each stage's units of each kind in proportion to the slowest
+          pipeline's device at each tensor position (`core.layout.proportional_counts`, at
+          most the bucket's capacity), reached from the current owners by moving as few units
+          as possible (`buckets.rebalance`); on a tie the current ones (rounded up to a
+          compiled width, a proportional split may run no faster);
+  layers  for each: from the current partition, the even one and the one in proportion to
+          each stage's speed (one layer's time on its slowest device), one layer at a time
+          between two stages (any two up to `ALL_PAIRS` stages) while the predicted step
+          falls, every stage within its compiled slots.
 Each is priced by the time model the emulation sleeps and the planner minimizes
 (`core.emulation.PipelineEmulator.layout_step` at speeds v: the executed bucket widths, the
 tensor all-reduces, boundary transfers and gradient all-reduces over the links).
@@ -149,15 +151,22 @@ class Replanner:
     return em.layout_step(layout, self.microbatches)["step_s"]
 
   def best(self, speeds) -> tuple[PipeLayout, float]:
-    """The fastest candidate at `speeds` [D] and its predicted step (see module doc)."""
+    """The fastest candidate at `speeds` [D] and its predicted step (see module doc): the
+    layer search on the current units and on the proportional ones; on a tie the current units
+    (a move that changes nothing costs time)."""
     speeds = np.asarray(speeds, np.float64)
     current = self.layout
     units = [buckets_lib.rebalance(u, t)
              for u, t in zip(current.units, stage_targets(current, self.emulator.grid, speeds))]
-    base = current.with_units(units)
-    cap, num_layers = current.layers.capacity, current.layers.num_units
+    found = [self._best_layers(base, speeds)
+             for base in (current, current.with_units(units))]
+    return min(found, key=lambda f: f[1])
+
+  def _best_layers(self, base: PipeLayout, speeds: np.ndarray) -> tuple[PipeLayout, float]:
+    """`base`'s units with the best layers per stage found from three starts (module doc)."""
+    cap, num_layers = base.layers.capacity, base.layers.num_units
     per_layer = self._layer_seconds(base, speeds)
-    starts = {current.stage_layers, layout_lib.even_counts(num_layers, current.stages),
+    starts = {self.layout.stage_layers, layout_lib.even_counts(num_layers, base.stages),
               layout_lib.proportional_counts(num_layers, 1.0 / per_layer, maximum=cap)}
     price = lambda counts: self.seconds(with_layers(base, counts), speeds)
     best_counts, best_s = None, np.inf
@@ -177,8 +186,8 @@ class Replanner:
     return with_layers(base, best_counts), float(best_s)
 
   def _layer_seconds(self, layout: PipeLayout, speeds: np.ndarray) -> np.ndarray:
-    """float [S]: one layer's forward on each stage's slowest device (units at their executed
-    widths), the weights of the proportional layer split."""
+    """float [S]: one layer's forward on each stage's slowest device (at its unit counts), the
+    weights of the proportional layer split."""
     em = self.emulator
     out = np.zeros(layout.stages)
     for p, units in enumerate(layout.units):
