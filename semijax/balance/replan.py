@@ -143,7 +143,7 @@ class Replanner:
     self.overhead_s: float | None = None     # measured seconds of a move beyond its links
     self.prior_s = 0.0                       # ... before any was measured, at least this
     self.moves = 0
-    self._best = None      # (regime speeds, layout) -> the best candidate, until either changes
+    self._best = None      # ((regime speeds, layout), the best candidate), until either changes
 
   def seconds(self, layout: PipeLayout, speeds) -> float:
     """The predicted seconds of a step of `layout` on devices of `speeds` [D]."""
@@ -231,11 +231,13 @@ class Replanner:
     current = self.tracker.speeds * speeds.max()    # the regime's, at the sample's scale
     key = (tuple(np.round(self.tracker.speeds, 3).tolist()), self.layout)
     if self._best is None or self._best[0] != key:
-      self._best = (key, self.best(current))
-    layout, new_s = self._best[1]
+      self._best = (key, self.best(current)[0])
+    layout = self._best[1]
+    if layout == self.layout:
+      return None
     now_s = self.seconds(self.layout, current) * scale
-    new_s *= scale
-    if layout == self.layout or not new_s < now_s * (1.0 - self.hysteresis):
+    new_s = self.seconds(layout, current) * scale      # at this sample's scale, not the cached
+    if not new_s < now_s * (1.0 - self.hysteresis):
       return None
     left = self.total_steps - step - 1
     horizon = min(float(left), self.tracker.expected_remaining_s(float(step)))
@@ -252,6 +254,3 @@ class Replanner:
     self.layout, self.last_move, self.moves = proposal.layout, step, self.moves + 1
     extra = max(seconds - proposal.link_s, 0.0)
     self.overhead_s = extra if self.overhead_s is None else 0.5 * (self.overhead_s + extra)
-
-  def state_dict(self) -> dict:
-    return {"moves": self.moves, "layout": self.layout.to_json()}

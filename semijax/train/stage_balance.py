@@ -70,13 +70,10 @@ class ProbedSpeeds:
       pass_s = max(self.probe.pass_seconds().values())
       self.probe.set_repeats(probe_lib.passes_for(self.budget * step_s, pass_s))
       self.budget = None
-    times = np.ones(self.num_devices)
-    measured = self.probe.measure()
-    for device_id, seconds in measured.items():
+    times = np.full(self.num_devices, np.nan)          # idle devices: as fast as the fastest
+    for device_id, seconds in self.probe.measure().items():
       times[self.index[device_id]] = seconds
-    mesh = list(self.index.values())
-    times[[i for i in range(self.num_devices) if i not in self.index.values()]] = (
-        times[mesh].min())
+    times = np.nan_to_num(times, nan=np.nanmin(times))
     self.recent.append(times / times.min())
     return 1.0 / np.median(np.stack(self.recent), axis=0)
 
@@ -101,7 +98,6 @@ class StageBalancer:
         setup.time_model, setup.layout, setup.plan.microbatches, run.steps,
         hysteresis=b.hysteresis, min_dwell_steps=b.min_dwell_steps, speed_alpha=b.speed_alpha,
         change_threshold=b.change_threshold, confirm=b.confirm)
-    self.microbatches = setup.plan.microbatches
     self.probed = ProbedSpeeds(run, setup) if setup.emulator is None else None
     self._since = None          # when the steps since the last sample started
 
