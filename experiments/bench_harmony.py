@@ -14,17 +14,16 @@ loss against training seconds, time to the target loss, and the full plan's spee
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from semijax.runtime import launch  # noqa: E402
+
 # 8 fake CPU devices unless the caller chose a device count (read when the backend starts).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+launch.default_device_count(8)
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
 import jax  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import harmony  # noqa: E402
 from semijax.runtime import cli  # noqa: E402

@@ -25,10 +25,11 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from semijax.runtime import launch  # noqa: E402
+
 # 8 fake CPU devices unless the caller chose a device count (read when the backend starts).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+launch.default_device_count(8)
 
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
@@ -37,8 +38,6 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 # The repository root: benchmarks/ (benchmark and report code) lives beside the library.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from benchmarks import report  # noqa: E402
 from semijax.core import layout as layout_lib  # noqa: E402
 from semijax.core import migrate  # noqa: E402

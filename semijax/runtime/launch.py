@@ -183,6 +183,15 @@ def with_device_count(xla_flags: str, count: int) -> str:
   return " ".join(kept + [f"{_DEVICE_FLAG}={count}"])
 
 
+def default_device_count(count: int, environ=None) -> None:
+  """Gives this process `count` fake CPU devices unless its XLA_FLAGS already chose a count
+  (`environ`: default `os.environ`; call it before JAX starts its backend)."""
+  environ = os.environ if environ is None else environ
+  xla_flags = environ.get("XLA_FLAGS", "")
+  if _DEVICE_FLAG not in xla_flags:
+    environ["XLA_FLAGS"] = with_device_count(xla_flags, count)
+
+
 PLATFORMS = ("cpu", "gpu")
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 

@@ -212,6 +212,12 @@ def test_flag_helpers():
   assert launch.with_device_count("", 2) == "--xla_force_host_platform_device_count=2"
   assert launch.with_device_count("--a=1 --xla_force_host_platform_device_count=8 --b", 1) == (
       "--a=1 --b --xla_force_host_platform_device_count=1")
+  env = {"XLA_FLAGS": "--a=1"}
+  launch.default_device_count(8, env)
+  assert env["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=8"
+  chosen = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  launch.default_device_count(8, chosen)
+  assert chosen["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
 
 
 def test_command_line_reports_failure(tmp_path):
