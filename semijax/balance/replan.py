@@ -22,13 +22,16 @@ Each is priced by the time model the emulation sleeps and the planner minimizes
 tensor all-reduces, boundary transfers and gradient all-reduces over the links).
 
 Deciding (`Replanner.observe`, every `probe_every` steps): a `speed.SpeedTracker` over every
-device turns samples into regimes (a change must last `confirm` samples). The best candidate
-is taken when it is predicted at least `hysteresis` faster than the current layout, at least
-`min_dwell_steps` after the last move, and its gain over the steps the current speeds are
-expected to last (at most the steps left) exceeds the move's expected cost: the state that
-changes device over the mesh's slowest link, plus the overhead measured in past moves (before
-any: the larger of a step's time and `prior_s`, which the run sets to what compiling one of its
-step programs took, since a first move compiles its migration programs).
+device turns samples into regimes (a change must last `confirm` samples). Two moves are
+weighed: to the best candidate, and to the current layers with the proportional units (a
+cheaper move when the best moves layers). One is taken when it is predicted at least
+`hysteresis` faster than the current layout, at least `min_dwell_steps` after the last move,
+and its gain over the steps the current speeds are expected to last (at most the steps left)
+exceeds the move's expected cost (of the two, the larger gain net of cost): the state that
+changes device over the mesh's slowest link, plus the overhead measured of moves of its kind
+(`move_kind`: units only, or layers too, which moves every stage's units through the canonical
+layout and back): warm-up times one of each there and back (`trials`; every migration program
+is compiled by then, `core.pipeline_moves`), and each move made updates it.
 """
 
 from __future__ import annotations
@@ -74,6 +77,28 @@ class Proposal:
   move_s: float
   link_s: float
   horizon_steps: float
+
+
+def move_kind(old: PipeLayout, new: PipeLayout) -> str:
+  """"layers" for a move that changes the layers per stage (three migration phases), else
+  "units" (one)."""
+  return "layers" if old.layers != new.layers else "units"
+
+
+def trials(layout: PipeLayout) -> dict[str, PipeLayout]:
+  """A layout one small move of each kind away from `layout`, to time at warm-up: {"units":
+  in every stage one unit of each kind from its largest to its smallest device
+  (`buckets.shift_one`), "layers": one layer moved from a stage to another (the first of
+  `neighbours`)}; a kind without room to move is left out."""
+  out = {}
+  units = [buckets_lib.rebalance(u, {k: buckets_lib.shift_one(x.counts, x.capacity)
+                                     for k, x in u.kinds().items()}) for u in layout.units]
+  if tuple(units) != layout.units:
+    out["units"] = layout.with_units(units)
+  near = neighbours(layout.stage_layers, layout.layers.capacity)
+  if near:
+    out["layers"] = with_layers(layout, near[0])
+  return out
 
 
 def stage_targets(layout: PipeLayout, grid: np.ndarray, speeds: np.ndarray) -> list[dict]:
@@ -140,8 +165,7 @@ class Replanner:
     self.tracker = speed_lib.SpeedTracker(n, alpha=speed_alpha, threshold=change_threshold,
                                           confirm=confirm, min_expected_s=1.0)
     self.last_move = -10**9
-    self.overhead_s: float | None = None     # measured seconds of a move beyond its links
-    self.prior_s = 0.0                       # ... before any was measured, at least this
+    self.overhead_s: dict[str, float] = {}   # {move_kind: measured seconds beyond its links}
     self.moves = 0
     self._best = None      # ((regime speeds, layout), the best candidate), until either changes
 
@@ -155,12 +179,17 @@ class Replanner:
     layer search on the current units and on the proportional ones; on a tie the current units
     (a move that changes nothing costs time)."""
     speeds = np.asarray(speeds, np.float64)
-    current = self.layout
-    units = [buckets_lib.rebalance(u, t)
-             for u, t in zip(current.units, stage_targets(current, self.emulator.grid, speeds))]
     found = [self._best_layers(base, speeds)
-             for base in (current, current.with_units(units))]
+             for base in (self.layout, self.units_moved(speeds))]
     return min(found, key=lambda f: f[1])
+
+  def units_moved(self, speeds) -> PipeLayout:
+    """The current layers with each stage's units in proportion to `speeds` [D] (the units
+    candidate of the module doc), reached by moving as few units as possible."""
+    current = self.layout
+    targets = stage_targets(current, self.emulator.grid, np.asarray(speeds, np.float64))
+    return current.with_units([buckets_lib.rebalance(u, t)
+                               for u, t in zip(current.units, targets)])
 
   def _best_layers(self, base: PipeLayout, speeds: np.ndarray) -> tuple[PipeLayout, float]:
     """`base`'s units with the best layers per stage found from three starts (module doc)."""
@@ -231,26 +260,33 @@ class Replanner:
     current = self.tracker.speeds * speeds.max()    # the regime's, at the sample's scale
     key = (tuple(np.round(self.tracker.speeds, 3).tolist()), self.layout)
     if self._best is None or self._best[0] != key:
-      self._best = (key, self.best(current)[0])
-    layout = self._best[1]
-    if layout == self.layout:
+      found = {self.best(current)[0], self.units_moved(current)} - {self.layout}
+      self._best = (key, sorted(found, key=lambda x: move_kind(self.layout, x)))
+    if not self._best[1]:
       return None
     now_s = self.seconds(self.layout, current) * scale
-    new_s = self.seconds(layout, current) * scale      # at this sample's scale, not the cached
-    if not new_s < now_s * (1.0 - self.hysteresis):
-      return None
     left = self.total_steps - step - 1
     horizon = min(float(left), self.tracker.expected_remaining_s(float(step)))
-    link_s = self.link_seconds(self.layout, layout)
-    overhead = max(step_s, self.prior_s) if self.overhead_s is None else self.overhead_s
-    move_s = link_s + overhead
-    if (now_s - new_s) * horizon <= move_s:
-      return None
-    return Proposal(layout, now_s, new_s, move_s, link_s, horizon)
+    paying = []
+    for layout in self._best[1]:
+      new_s = self.seconds(layout, current) * scale    # at this sample's scale, not the cached
+      if not new_s < now_s * (1.0 - self.hysteresis):
+        continue
+      link_s = self.link_seconds(self.layout, layout)
+      move_s = link_s + self.overhead_s.get(move_kind(self.layout, layout), step_s)
+      if (now_s - new_s) * horizon > move_s:
+        paying.append(Proposal(layout, now_s, new_s, move_s, link_s, horizon))
+    return max(paying, key=lambda p: (p.now_s - p.new_s) * p.horizon_steps - p.move_s,
+               default=None)
+
+  def timed(self, kind: str, seconds: float) -> None:
+    """Records that a move of `kind` (`move_kind`) took `seconds` beyond its links (the mean
+    with the earlier ones, the latest weighing half)."""
+    before = self.overhead_s.get(kind)
+    self.overhead_s[kind] = seconds if before is None else 0.5 * (before + seconds)
 
   def moved(self, step: int, proposal: Proposal, seconds: float) -> None:
     """Records that the run moved to `proposal.layout` after `step`, in `seconds` (wall, its
     links' emulated time included)."""
+    self.timed(move_kind(self.layout, proposal.layout), max(seconds - proposal.link_s, 0.0))
     self.layout, self.last_move, self.moves = proposal.layout, step, self.moves + 1
-    extra = max(seconds - proposal.link_s, 0.0)
-    self.overhead_s = extra if self.overhead_s is None else 0.5 * (self.overhead_s + extra)

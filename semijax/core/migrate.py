@@ -131,6 +131,12 @@ class Moves:
   def units_moved(self) -> dict:
     return {k: m.moved for k, m in self.kinds.items()}
 
+  def changing_kinds(self) -> tuple[str, ...]:
+    """The kinds whose padded arrays may change: the exchange carries slots (K > 0), or the
+    capacity changes; a kind with neither is left as it is."""
+    return tuple(k for k, m in self.kinds.items()
+                 if m.chunk or m.capacity_from != m.capacity_to)
+
 
 def _tight_chunk(need: int, limit: int) -> int:
   return min(limit, 1 << max(0, int(need - 1).bit_length())) if need else 0

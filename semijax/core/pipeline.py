@@ -51,6 +51,7 @@ from semijax.core import pipeline_batch
 from semijax.core import pipeline_flat
 from semijax.core import pipeline_layout
 from semijax.core import pipeline_model
+from semijax.core import pipeline_moves
 from semijax.core import pipeline_programs
 from semijax.core import pipeline_state
 from semijax.core import pipeline_step
@@ -171,6 +172,11 @@ class PipelineEngine:
   def move(self, tree, old: PipeLayout, new: PipeLayout, *, donate: bool = False):
     """A state (or parameter-shaped tree) padded in `old`, padded in `new`."""
     return self.states.move(tree, old, new, donate=donate)
+
+  def compile_moves(self, state, layout: PipeLayout) -> int:
+    """Compiles every migration program a move between two layouts of `layout`'s bucket may
+    run (`pipeline_moves`); returns how many were new."""
+    return pipeline_moves.compile_moves(self.states, state, layout)
 
   def to_padded(self, logical, layout: PipeLayout, *, donate: bool = False):
     return self.states.to_padded(logical, layout, donate=donate)

@@ -164,26 +164,25 @@ class PipeStates:
   def move(self, tree, old: PipeLayout, new: PipeLayout, *, donate: bool = False):
     """A state (or parameter-shaped tree) padded in `old`, padded in `new`: each stage's units
     to the canonical layout, the layers that change stage over `pipe`, then each stage's units to
-    their new layout (steps that change nothing are skipped), leaf by leaf."""
+    their new layout (steps, and unit kinds, that change nothing are skipped), leaf by leaf."""
     self.check_layout(old)
     self.check_layout(new)
     axes = self.tree_axes(tree)
     mig = self.migrator()
     canon = self.logical_layout.units[0]
-    run = lambda t, moves, kinds, first: mig.move_groups(
-        t, axes, moves, migrate.leaf_groups(t, axes, kinds, by_leaf=True),
+    run = lambda t, moves, first: mig.move_groups(
+        t, axes, moves, migrate.leaf_groups(t, axes, moves.changing_kinds(), by_leaf=True),
         donate=donate or not first)
     first = True
     if old.layers != new.layers:
       if any(u != canon for u in old.units):
-        tree = run(tree, migrate.plan_stages(old.units, (canon,) * old.stages),
-                   layout_lib.KINDS, first)
+        tree = run(tree, migrate.plan_stages(old.units, (canon,) * old.stages), first)
         first = False
-      tree = run(tree, migrate.plan_layers(old.layers, new.layers), (LAYERS,), first)
+      tree = run(tree, migrate.plan_layers(old.layers, new.layers), first)
       first = False
       old = old.with_units((canon,) * old.stages)
     if old.units != new.units:
-      tree = run(tree, migrate.plan_stages(old.units, new.units), layout_lib.KINDS, first)
+      tree = run(tree, migrate.plan_stages(old.units, new.units), first)
     elif first and not donate:
       tree = jax.tree.map(lambda x: x.copy(), tree)
     return tree

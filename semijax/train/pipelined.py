@@ -164,17 +164,14 @@ class Pipelined:
     return self._eval_batches
 
   def warm_up(self, step: int) -> str:
-    """Compiles the train and eval programs (a re-planning run's first move is priced at what
-    one of them took to compile, `replan.Replanner.prior_s`)."""
-    t0, before = time.perf_counter(), self.engine.compile_count
+    """Compiles the train and eval programs, and a re-planning run's migrations
+    (`stage_balance.StageBalancer.warm_up`)."""
     self.engine.compile(self.state, self._batch(step), self.pplan, self.eval_batches[0])
-    compiled = self.engine.compile_count - before
+    said = f"{self.engine.compile_count} step programs compiled"
     if self.balancer is not None:
-      if compiled:
-        self.balancer.replanner.prior_s = (time.perf_counter() - t0) / compiled
-      self.balancer.warm_up()
-      return f"{self.engine.compile_count} step programs compiled; {self.balancer.describe()}"
-    return f"{self.engine.compile_count} step programs compiled"
+      self.state, moves = self.balancer.warm_up(self.state)
+      said += f", {moves} migration programs; {self.balancer.describe()}"
+    return said
 
   def step(self, step: int) -> executor_lib.StepResult:
     """Runs 0-based `step` (its batch made while the step before ran, `prefetch.Prefetch`)
@@ -241,7 +238,7 @@ class Pipelined:
     replans = ""
     if self.balancer is not None:
       keys.update(self.balancer.summary())
-      replans = f", {keys['replans']} re-plans"
+      replans = f", {keys['replans']} re-plans ({keys['replan_compiles']} compiles)"
     return executor_lib.Finish(keys, before_val=f", mean step {mean_dt:.3f} s{error}{replans}")
 
 

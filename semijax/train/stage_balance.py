@@ -1,8 +1,11 @@
 """A pipelined run's online re-planning (`balance.policy = "semi"` with `mesh.pipe` > 1 or a
-plan): every `balance.probe_every` steps the devices' speeds are sampled, `balance.replan`
-decides whether moving layers between stages and units inside them pays, and the state moves
-(`core.pipeline.PipelineEngine.move`: weights and Adam moments together, between the compiled
-slots and widths, so nothing recompiles but the migration).
+plan): every `balance.probe_every` steps (every step when the speeds are emulated) the devices'
+speeds are sampled, `balance.replan` decides whether moving layers between stages and units
+inside them pays, and the state moves (`core.pipeline.PipelineEngine.move`: weights and Adam
+moments together, between the compiled slots and widths). Warm-up compiles every migration
+program such a move may run (`core.pipeline_moves`) and times a move of each kind there and
+back (`replan.trials`), so a re-plan compiles nothing and its first move is priced at what it
+takes.
 
 Where the speeds come from:
   * emulated (`hetero.device_speeds`, shifted by one device id every `hetero.rotate_every`
@@ -92,14 +95,16 @@ class StageBalancer:
 
   def __init__(self, run: config_lib.RunConfig, setup: setup_lib.Setup):
     self.engine, self.emulator = setup.engine, setup.emulator
-    self.every, self.rotate = run.balance.probe_every, run.pipeline.rotate_every
     b = run.balance
+    self.every = 1 if setup.emulator is not None else b.probe_every
+    self.rotate = run.pipeline.rotate_every
     self.replanner = replan_lib.Replanner(
         setup.time_model, setup.layout, setup.plan.microbatches, run.steps,
         hysteresis=b.hysteresis, min_dwell_steps=b.min_dwell_steps, speed_alpha=b.speed_alpha,
         change_threshold=b.change_threshold, confirm=b.confirm)
     self.probed = ProbedSpeeds(run, setup) if setup.emulator is None else None
     self._since = None          # when the steps since the last sample started
+    self.compiles = 0           # migration programs the re-plans compiled (none: warm-up did)
 
   @property
   def layout(self) -> pipeline.PipeLayout:
@@ -107,7 +112,9 @@ class StageBalancer:
 
   def describe(self) -> str:
     source = "emulated speeds" if self.probed is None else "the probe's speeds"
-    return f"re-planning on {source} every {self.every} steps"
+    every = "every step" if self.every == 1 else f"every {self.every} steps"
+    moves = ", ".join(f"{k} {s:.3f} s" for k, s in self.replanner.overhead_s.items())
+    return f"re-planning on {source} {every}; a move takes {moves or '(none timed)'}"
 
   def due(self, step: int) -> bool:
     """Whether 0-based `step` ends with a sample (and maybe a move)."""
@@ -117,10 +124,20 @@ class StageBalancer:
     """float [D]: the emulated devices' speeds in 0-based `step`."""
     return self.emulator.devices.speeds_at(step, self.rotate)
 
-  def warm_up(self) -> None:
+  def warm_up(self, state):
+    """(state, migration programs compiled): compiles every move of the layout's bucket, times
+    one move of each kind there and back (`replan.trials`; the state returns exactly) and warms
+    the probe up."""
+    compiled = self.engine.compile_moves(state, self.layout)
+    for kind, there in replan_lib.trials(self.layout).items():
+      t0 = time.perf_counter()
+      state = self.engine.move(state, self.layout, there, donate=True)
+      state = jax.block_until_ready(self.engine.move(state, there, self.layout, donate=True))
+      self.replanner.timed(kind, (time.perf_counter() - t0) / 2)
     if self.probed is not None:
       self.probed.warm_up()
     self._since = time.perf_counter()
+    return state, compiled
 
   def after_step(self, step: int, state):
     """(state, note or None): on a sampling step, the state moved to a re-plan that pays. The
@@ -139,10 +156,11 @@ class StageBalancer:
     proposal = self.replanner.observe(step, speeds, step_s, scale=scale)
     if proposal is None:
       return state, None
-    old = self.layout
-    t0 = time.perf_counter()
+    old, migrator = self.layout, self.engine.migrator()
+    t0, before = time.perf_counter(), migrator.compile_count
     state = self.engine.move(state, old, proposal.layout, donate=True)
     jax.block_until_ready(state)
+    self.compiles += migrator.compile_count - before
     emulation.Emulator.sleep(proposal.link_s if self.probed is None else 0.0)
     self._since = time.perf_counter()
     seconds = self._since - t0
@@ -162,4 +180,5 @@ class StageBalancer:
       self.probed.close()
 
   def summary(self) -> dict:
-    return {"replans": self.replanner.moves, "layout": self.layout.to_json()}
+    return {"replans": self.replanner.moves, "replan_compiles": self.compiles,
+            "layout": self.layout.to_json()}

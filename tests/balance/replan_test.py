@@ -3,8 +3,9 @@
 The best candidate is at least as fast as every layer partition within the compiled slots
 (searched exhaustively, units split as the re-plan splits them), gives a slow device fewer
 units and its stage fewer layers, and stays in the compiled shapes. The decision moves only
-when the gain over the expected regime pays the move, after a change lasts `confirm` samples,
-and not within `min_dwell_steps` of the last move.
+when the gain over the expected regime pays the move (priced by its kind: a costly layer move
+leaves the cheaper units move), after a change lasts `confirm` samples, and not within
+`min_dwell_steps` of the last move.
 """
 
 import itertools
@@ -94,13 +95,31 @@ def test_a_move_is_made_when_its_gain_pays_for_it():
   assert rp.observe(3, speeds, step_s=1e-3) is None                 # already there
   # A move priced above what the gain earns over the expected regime is not made...
   costly = planner(confirm=1, min_dwell_steps=0)
-  costly.prior_s = 1e6
+  costly.overhead_s = {"units": 1e6, "layers": 1e6}
   assert all(costly.observe(s, speeds, step_s=1e-3) is None for s in range(5))
   # ... nor one within `min_dwell_steps` of the last move.
   dwell = planner(confirm=1, min_dwell_steps=10)
   dwell.last_move = 0
   assert all(dwell.observe(s, speeds, step_s=1e-3) is None for s in range(1, 10))
   assert dwell.observe(10, speeds, step_s=1e-3) is not None
+
+
+def test_a_costly_layer_move_leaves_the_cheaper_units_move():
+  speeds = np.array([1.0, 0.25, 1.0, 1.0])
+  free = planner(confirm=1, min_dwell_steps=0)
+  free.overhead_s = {"units": 0.0, "layers": 0.0}
+  best = free.observe(0, speeds, step_s=1e-3)
+  assert replan.move_kind(free.layout, best.layout) == "layers"
+  costly = planner(confirm=1, min_dwell_steps=0)
+  costly.overhead_s = {"units": 0.0, "layers": 1e6}
+  units = costly.observe(0, speeds, step_s=1e-3)
+  assert units.layout.layers == costly.layout.layers and units.layout != costly.layout
+  assert best.new_s < units.new_s < units.now_s
+  # Warm-up's trial moves: one of each kind, inside the compiled shapes.
+  trials = replan.trials(start_layout())
+  assert {k: replan.move_kind(start_layout(), t) for k, t in trials.items()} == {
+      "units": "units", "layers": "layers"}
+  assert all(t.bucket() == start_layout().bucket() for t in trials.values())
 
 
 def test_moving_state_over_slower_links_costs_more():
@@ -126,7 +145,7 @@ def test_many_stages_move_a_layer_to_a_neighbour_or_off_the_busiest():
 
 def test_the_search_runs_once_per_regime_and_layout():
   rp = planner(confirm=1, min_dwell_steps=0)
-  rp.prior_s = 1e9                                                    # never moves
+  rp.overhead_s = {"units": 1e9, "layers": 1e9}                     # never moves
   searched, best = [], rp.best
   rp.best = lambda speeds: searched.append(1) or best(speeds)
   slow = np.array([1.0, 0.25, 1.0, 1.0])

@@ -5,7 +5,8 @@ an uneven tensor layout of its own in every stage, data-parallel pipelines runni
 numbers of microbatches, both schedules. Loss and every gradient must equal the single-device
 dense model's; training must follow the unpipelined engine step for step; moving layers between
 stages with the migration collective must equal a re-layout through the logical form bit for
-bit; a boundary moved inside the compiled layer capacity must compile nothing.
+bit; a boundary moved inside the compiled layer capacity must compile nothing, and so must every
+move between layouts of one bucket once `compile_moves` has run.
 """
 
 import jax
@@ -185,6 +186,33 @@ def test_boundary_move_inside_the_capacity_compiles_nothing():
   np.testing.assert_allclose(float(metrics["loss"]), float(want["loss"]), rtol=1e-6)
   H.assert_trees_close(eng.logical_arrays(eng.to_logical(state, second)),
                        eng.logical_arrays(eng.to_logical(stay, first)), atol=1e-6)
+
+
+def test_compiled_moves_cover_every_move_inside_the_bucket():
+  """After `compile_moves`, moves between layouts of one bucket (layers and units, units only,
+  one kind only, one unit) compile nothing, and each equals the re-layout through the logical
+  form bit for bit."""
+  eng = make(1, 2, tx=optax.adam(1e-2))
+  start = stage_layout((2, 2))
+  one_unit = (units((31, 17), (5, 3)), UNEVEN[1])
+  chain = [start,
+           pipeline.PipeLayout.build(4, (1, 3), UNEVEN[::-1], capacity=3),      # layers, units
+           pipeline.PipeLayout.build(4, (1, 3), one_unit, capacity=3),          # one MLP unit
+           pipeline.PipeLayout.build(4, (3, 1), one_unit, capacity=3),          # layers only
+           start]
+  state = eng.to_padded(eng.init_logical(0), start)
+  wants = [eng.to_padded(eng.to_logical(state, start), layout) for layout in chain[1:]]
+  assert eng.compile_moves(state, start) > 0
+  assert eng.compile_moves(state, chain[1]) == 0            # the same bucket: all compiled
+  with H.count_backend_compiles() as events:
+    moved = []
+    for old, new in zip(chain, chain[1:]):
+      state = eng.move(state, old, new, donate=True)
+      moved.append(jax.device_get(state))
+  assert not events
+  for got, want in zip(moved, wants):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_bad_layouts_and_microbatches_are_named():
