@@ -72,6 +72,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Layers per stage: "even" or counts ("3,5"), in stage order.
   c.pipeline.layers = ml_collections.FieldReference("even", field_type=object)
   c.pipeline.layer_capacity = 0    # Layer slots compiled per stage; 0 = the most any stage holds.
+  # Microbatches compiled per pipeline; 0 = the most any pipeline runs (balance.policy "semi"
+  # with mesh.data > 1: room to re-split the batch between pipelines, see pipeline_setup).
+  c.pipeline.microbatch_capacity = 0
   # With mesh.pipe > 1, layout.mlp / layout.heads give either one count per tensor device (every
   # stage alike) or pipe x tensor counts, stage by stage.
 
@@ -323,6 +326,7 @@ class PipelineSpec:
     microbatches: microbatches per data-parallel pipeline (len mesh.data).
     layers: "even" or layers per stage (len mesh.pipe).
     layer_capacity: layer slots compiled per stage (0: the most any stage holds).
+    microbatch_capacity: microbatches compiled per pipeline (0: `pipeline_setup.microbatch_slots`).
     mlp, heads: "even", or per stage a tuple of units per tensor device.
     num_widths: compute widths compiled per kind (`layout.num_widths`).
     plan: "", "auto" or the path of a plan's JSON.
@@ -348,6 +352,7 @@ class PipelineSpec:
   memory_gb: float = 0.0
   syncs: tuple[str, ...] = ("sync",)
   rotate_every: int = 0
+  microbatch_capacity: int = 0
 
 
 def _check_keys(node, schema: dict, prefix: str) -> None:
@@ -605,7 +610,9 @@ def _pipelined(config, spec: spec_lib.ModelSpec, mesh: mesh_lib.MeshSpec,
                       "hetero.device_speeds; set them")
   pipeline = PipelineSpec(schedule, micro, layers, capacity, units["mlp"], units["heads"],
                           _int(config.layout.num_widths, "layout.num_widths"), plan, sizes,
-                          schedules, devices, float(memory), syncs, rotate)
+                          schedules, devices, float(memory), syncs, rotate,
+                          _int(config.pipeline.microbatch_capacity,
+                               "pipeline.microbatch_capacity", 0))
   layout = layout_lib.Layout.for_model(d_model=spec.d_model,
                                        num_heads=spec.num_units()["heads"], d_ff=spec.d_ff,
                                        num_devices=1)

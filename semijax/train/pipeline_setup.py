@@ -190,6 +190,32 @@ def replanning_layout(layout: pipeline.PipeLayout, factor: float, num_widths: in
   return pipeline.PipeLayout.build(num_layers, layout.stage_layers, units, capacity=cap)
 
 
+def microbatch_slots(run: config_lib.RunConfig, plan: planner_plan.Plan) -> int:
+  """Microbatches compiled per pipeline (the length of the step's tick table, whose idle ticks
+  skip their compute): `pipeline.microbatch_capacity`, else the most a pipeline of the plan runs;
+  a re-planning (`semi`) run of several pipelines gets room to re-split the batch between them:
+  `balance.capacity_factor` x the largest share, at most the total less one for each other
+  pipeline.
+
+  Raises:
+    ConfigError: `pipeline.microbatch_capacity` below what a pipeline of the plan runs, or set
+      in a replica sync mode (each pipeline runs its equal share as compiled).
+  """
+  most, cap = max(plan.microbatches), run.pipeline.microbatch_capacity
+  if cap and run.sync.mode != "sync":
+    raise ConfigError(f"config.pipeline.microbatch_capacity: sync mode {run.sync.mode!r} runs "
+                      f"each pipeline's equal share of the batch as compiled; leave it 0")
+  if cap and cap < most:
+    raise ConfigError(f"config.pipeline.microbatch_capacity: {cap}, but a pipeline of the plan "
+                      f"runs {most} microbatches ({list(plan.microbatches)})")
+  if cap:
+    return cap
+  if run.balance.policy == "semi" and len(plan.microbatches) > 1:
+    total, others = sum(plan.microbatches), len(plan.microbatches) - 1
+    return max(most, min(total - others, math.ceil(run.balance.capacity_factor * most)))
+  return most
+
+
 # --- the engine and its emulation --------------------------------------------------------------
 
 
@@ -214,7 +240,7 @@ def build(run: config_lib.RunConfig, plan: planner_plan.Plan) -> Setup:
   model_fn, loss_terms = models.build(run.model)
   engine = pipeline.PipelineEngine(model_fn, loss_terms, mesh,
                                    optimizer_lib.make(run.optimizer, run.steps),
-                                   schedule=plan.schedule, microbatches=max(plan.microbatches),
+                                   schedule=plan.schedule, microbatches=microbatch_slots(run, plan),
                                    kernel=run.kernel)
   layout = pipe_layout(plan, run.model, run.pipeline.layer_capacity)
   if run.balance.policy == "semi":

@@ -17,9 +17,10 @@ With an emulation (`hetero.device_speeds` or `hetero.links`) every step is follo
 emulated devices' and links' time (at the speeds of that step, `hetero.rotate_every`); the
 step's measured time is that plus the real compute, and the summary says how far it is from the
 plan's prediction (`planner.predict`). With `balance.policy = "semi"` the run re-plans its layers
-per stage and each stage's units while it trains (`stage_balance.StageBalancer`), within
-compiled shapes with room to move (`pipeline_setup.replanning_layout`); a checkpoint keeps the
-layout it was saved in, and a run of the same shapes resumes in it.
+per stage, each stage's units and its pipelines' microbatches while it trains
+(`stage_balance.StageBalancer`), within compiled shapes with room to move
+(`pipeline_setup.replanning_layout`, `microbatch_slots`); a checkpoint keeps the layout and
+split it was saved in, and a run of the same shapes resumes in them.
 
 With a replica sync mode (the plan's `sync`: ssaw, async or local_sgd; `pipeline_setup.for_plan`)
 the pipelines are the replicas of `replicas.Replicas`, with `FixedPlan` as their
@@ -135,38 +136,44 @@ class Pipelined:
     else:
       logical, meta = ckpt.restore(abstract, step)
       saved_with = f"layers per stage {meta['plan']['stage_layers']}"
-    self._resume_in(meta.get("layout") if saved is not None else None)
+    self._resume_in(meta.get("layout") if saved is not None else None, meta.get("microbatches"))
     self.state = self.engine.to_padded(logical, self.layout, donate=True)
     if run.sync.mode != "sync":
       self.extra = ckpt.restore_extra(step)
     return int(meta["data_position"]), saved_with + checkpoint_lib.dtype_change(meta, abstract)
 
-  def _resume_in(self, saved: dict | None) -> None:
-    """A `semi` run resumes in the layout its checkpoint was saved in, when that has this run's
-    stages and compiled shapes (else in its plan's, and re-plans)."""
+  def _resume_in(self, saved: dict | None, microbatches) -> None:
+    """A `semi` run resumes in the layout and microbatches per pipeline its checkpoint was saved
+    in, when they fit this run's stages, pipelines and compiled shapes (else in its plan's, and
+    re-plans)."""
     if self.balancer is None or saved is None:
       return
     layout = pipeline_lib.PipeLayout.from_json(saved)
-    if layout.stages == self.layout.stages and layout.bucket() == self.layout.bucket():
-      self.layout = layout
-      self.balancer.restored(layout)
-      self.pplan = self.engine.plan(layout, self.counts)
+    counts = tuple(microbatches or self.counts)
+    if (layout.stages == self.layout.stages and layout.bucket() == self.layout.bucket()
+        and len(counts) == len(self.counts) and sum(counts) == sum(self.counts)
+        and max(counts) <= self.engine.microbatches):
+      self.layout, self.counts = layout, counts
+      self.balancer.restored(layout, counts)
+      self.pplan = self.engine.plan(layout, counts)
 
-  def _batch(self, step: int) -> dict:
-    return self.engine.arrange_batch(self.dataset.train_batch(step), self.counts)
+  def _batch(self, step: int) -> tuple[tuple[int, ...], dict]:
+    """(the microbatches per pipeline now, 0-based `step`'s batch arranged into them)."""
+    counts = self.counts
+    return counts, self.engine.arrange_batch(self.dataset.train_batch(step), counts)
 
   @property
   def eval_batches(self) -> list:
     """The evaluation batches, arranged into the plan's microbatches (once)."""
     if self._eval_batches is None:
-      self._eval_batches = [self.engine.arrange_batch(b, self.counts)
+      self._eval_batches = [self.engine.arrange_batch(b, self.setup.plan.microbatches)
                             for b in self.dataset.eval_batches()]
     return self._eval_batches
 
   def warm_up(self, step: int) -> str:
     """Compiles the train and eval programs, and a re-planning run's migrations
     (`stage_balance.StageBalancer.warm_up`)."""
-    self.engine.compile(self.state, self._batch(step), self.pplan, self.eval_batches[0])
+    self.engine.compile(self.state, self._batch(step)[1], self.pplan, self.eval_batches[0])
     said = f"{self.engine.compile_count} step programs compiled"
     if self.balancer is not None:
       self.state, moves = self.balancer.warm_up(self.state)
@@ -180,7 +187,9 @@ class Pipelined:
     them), except a `semi` run's sampling step; on XLA:CPU at most two steps are in flight
     (see `tensor.TensorParallel.step`). A `semi` run may then move its state
     (`stage_balance`): the step's seconds hold the move, its notes say it."""
-    batch = self.batches.get(step)
+    counts, batch = self.batches.get(step)
+    if counts != self.counts:              # made before a re-plan changed the split
+      batch = self._batch(step)[1]
     plan = self.setup.plan
     t0 = time.perf_counter()
     self.state, m = self.engine.train_step(self.state, batch, self.pplan)
@@ -201,7 +210,7 @@ class Pipelined:
     if self.balancer is not None:
       self.state, note = self.balancer.after_step(step, self.state)
       if note is not None:
-        self.layout = self.balancer.layout
+        self.layout, self.counts = self.balancer.layout, self.balancer.microbatches
         self.pplan = self.engine.plan(self.layout, self.counts)
         notes = (note,)
     return executor_lib.StepResult(m, time.perf_counter() - t0, scalars, notes=notes)
@@ -217,13 +226,17 @@ class Pipelined:
     return emulator.layout_step(self.layout, self.counts)
 
   def evaluate(self) -> dict:
-    return steps_lib.evaluate(self.engine, self.state.params, self.eval_batches, self.pplan)
+    """The evaluation batches' metrics, in the plan's microbatches per pipeline."""
+    split = self.setup.plan.microbatches
+    pplan = self.pplan if self.counts == split else self.engine.plan(self.layout, split)
+    return steps_lib.evaluate(self.engine, self.state.params, self.eval_batches, pplan)
 
   def save(self, ckpt: checkpoint_lib.Checkpointer, step: int, meta: dict) -> None:
     """Checkpoints the state through the sharded logical form (donated, then back), with the
     layout and plan in the meta."""
     engine, layout = self.engine, self.layout
-    meta = dict(meta, layout=layout.to_json(), **setup_lib.checkpoint_meta(self.setup.plan))
+    meta = dict(meta, layout=layout.to_json(), microbatches=list(self.counts),
+                **setup_lib.checkpoint_meta(self.setup.plan))
     logical = engine.to_logical(self.state, layout, donate=True)
     ckpt.save(step, logical, meta)
     self.state = engine.to_padded(logical, layout, donate=True)

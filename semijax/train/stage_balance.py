@@ -1,8 +1,10 @@
 """A pipelined run's online re-planning (`balance.policy = "semi"` with `mesh.pipe` > 1 or a
 plan): every `balance.probe_every` steps (every step when the speeds are emulated) the devices'
 speeds are sampled, `balance.replan` decides whether moving layers between stages and units
-inside them pays, and the state moves (`core.pipeline.PipelineEngine.move`: weights and Adam
-moments together, between the compiled slots and widths). Warm-up compiles every migration
+inside them, or re-splitting the batch between data-parallel pipelines, pays, and the state
+moves (`core.pipeline.PipelineEngine.move`: weights and Adam moments together, between the
+compiled slots and widths; a new split moves nothing, the executor arranges the next batches
+into it). Warm-up compiles every migration
 program such a move may run (`core.pipeline_moves`) and times a move of each kind there and
 back (`replan.trials`), so a re-plan compiles nothing and its first move is priced at what it
 takes.
@@ -40,6 +42,12 @@ def layout_text(layout: pipeline.PipeLayout) -> str:
                                        for u in layout.units) + ";"
                    for k in layout.units[0].kinds())
   return f"layers {','.join(map(str, layout.stage_layers))}; {kinds.rstrip(';')}"
+
+
+def plan_text(layout: pipeline.PipeLayout, microbatches) -> str:
+  """`layout_text`, and the microbatches per pipeline where there are several."""
+  split = f"; microbatches {','.join(map(str, microbatches))}" if len(microbatches) > 1 else ""
+  return layout_text(layout) + split
 
 
 class ProbedSpeeds:
@@ -101,7 +109,7 @@ class StageBalancer:
     self.replanner = replan_lib.Replanner(
         setup.time_model, setup.layout, setup.plan.microbatches, run.steps,
         hysteresis=b.hysteresis, min_dwell_steps=b.min_dwell_steps, speed_alpha=b.speed_alpha,
-        change_threshold=b.change_threshold, confirm=b.confirm)
+        change_threshold=b.change_threshold, confirm=b.confirm, most=setup.engine.microbatches)
     self.probed = ProbedSpeeds(run, setup) if setup.emulator is None else None
     self._since = None          # when the steps since the last sample started
     self.compiles = 0           # migration programs the re-plans compiled (none: warm-up did)
@@ -109,6 +117,11 @@ class StageBalancer:
   @property
   def layout(self) -> pipeline.PipeLayout:
     return self.replanner.layout
+
+  @property
+  def microbatches(self) -> tuple[int, ...]:
+    """[R] the microbatches of each pipeline now."""
+    return self.replanner.microbatches
 
   def describe(self) -> str:
     source = "emulated speeds" if self.probed is None else "the probe's speeds"
@@ -156,24 +169,24 @@ class StageBalancer:
     proposal = self.replanner.observe(step, speeds, step_s, scale=scale)
     if proposal is None:
       return state, None
-    old, migrator = self.layout, self.engine.migrator()
+    old, split, migrator = self.layout, self.microbatches, self.engine.migrator()
     t0, before = time.perf_counter(), migrator.compile_count
-    state = self.engine.move(state, old, proposal.layout, donate=True)
-    jax.block_until_ready(state)
+    if proposal.layout != old:
+      state = jax.block_until_ready(self.engine.move(state, old, proposal.layout, donate=True))
     self.compiles += migrator.compile_count - before
     emulation.Emulator.sleep(proposal.link_s if self.probed is None else 0.0)
     self._since = time.perf_counter()
     seconds = self._since - t0
     self.replanner.moved(step, proposal, seconds)
-    note = (f"re-plan after step {step + 1}: {layout_text(old)} -> "
-            f"{layout_text(proposal.layout)}; predicted {proposal.now_s:.3f} -> "
+    note = (f"re-plan after step {step + 1}: {plan_text(old, split)} -> "
+            f"{plan_text(proposal.layout, self.microbatches)}; predicted {proposal.now_s:.3f} -> "
             f"{proposal.new_s:.3f} s/step over {proposal.horizon_steps:.0f} steps; moved in "
             f"{seconds:.2f} s (expected {proposal.move_s:.2f})")
     return state, note
 
-  def restored(self, layout: pipeline.PipeLayout) -> None:
-    """The run resumed in `layout` (a saved re-plan)."""
-    self.replanner.layout = layout
+  def restored(self, layout: pipeline.PipeLayout, microbatches: tuple[int, ...]) -> None:
+    """The run resumed in `layout` with `microbatches` [R] per pipeline (a saved re-plan)."""
+    self.replanner.layout, self.replanner.microbatches = layout, tuple(microbatches)
 
   def close(self) -> None:
     if self.probed is not None:
@@ -181,4 +194,4 @@ class StageBalancer:
 
   def summary(self) -> dict:
     return {"replans": self.replanner.moves, "replan_compiles": self.compiles,
-            "layout": self.layout.to_json()}
+            "layout": self.layout.to_json(), "microbatches": list(self.microbatches)}

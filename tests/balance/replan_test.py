@@ -5,7 +5,8 @@ The best candidate is at least as fast as every layer partition within the compi
 units and its stage fewer layers, and stays in the compiled shapes. The decision moves only
 when the gain over the expected regime pays the move (priced by its kind: a costly layer move
 leaves the cheaper units move), after a change lasts `confirm` samples, and not within
-`min_dwell_steps` of the last move.
+`min_dwell_steps` of the last move. A slow pipeline gets fewer microbatches (the best split,
+exhaustively), a move that moves nothing.
 """
 
 import itertools
@@ -120,6 +121,29 @@ def test_a_costly_layer_move_leaves_the_cheaper_units_move():
   assert {k: replan.move_kind(start_layout(), t) for k, t in trials.items()} == {
       "units": "units", "layers": "layers"}
   assert all(t.bucket() == start_layout().bucket() for t in trials.values())
+
+
+def test_a_slow_pipeline_gets_fewer_microbatches():
+  # Two pipelines of 2 stages of 1 tensor device; device 2 (pipeline 1, stage 0) is slow. Its
+  # stage's units cannot move (one device), its pipeline's microbatches can.
+  em = emulator((1, 1, 0.25, 1), pipelines=2)
+  layout = start_layout(tensor=1)
+  rp = replan.Replanner(em, layout, (4, 4), 100, confirm=1, min_dwell_steps=0, most=7)
+  split, seconds = rp.best_split(layout, em.devices.speeds)
+  assert split[1] < split[0] and sum(split) == 8 and max(split) <= 7
+  for counts in itertools.product(range(1, 8), repeat=2):             # exhaustively the best
+    if sum(counts) == 8:
+      assert seconds <= rp.seconds(layout, em.devices.speeds, counts) + 1e-12
+  # With layer moves priced out, the re-plan re-splits the batch (and moves nothing).
+  rp.overhead_s = {"units": 1e6, "layers": 1e6}
+  proposal = rp.observe(0, em.devices.speeds, step_s=1e-3)
+  assert proposal.layout == layout and proposal.microbatches == split
+  assert replan.move_kind(layout, proposal.layout) == "split" and proposal.move_s == 0
+  rp.moved(0, proposal, seconds=1e-3)
+  assert rp.microbatches == split
+  # One pipeline: nothing to re-split.
+  assert planner().best_split(start_layout(), np.ones(4)) == ((4,), planner().seconds(
+      start_layout(), np.ones(4)))
 
 
 def test_moving_state_over_slower_links_costs_more():

@@ -176,6 +176,28 @@ def test_layer_capacity_sets_the_slots_every_stage_compiles():
     layout("1,3", 2)
 
 
+def test_microbatch_capacity_sets_the_microbatches_every_pipeline_compiles():
+  """Two pipelines of 4 microbatches compile 4 each; a `semi` run room to re-split the batch
+  (`capacity_factor` 2 x 4, at most 8 less one for the other pipeline: 7); a capacity set is
+  kept, one below what a pipeline runs refused, and so is one in a replica sync mode."""
+  def slots(policy, capacity=0):
+    c = tiny(**{"mesh.pipe": 2, "mesh.data": 2, "pipeline.microbatches": 4,
+                "pipeline.microbatch_capacity": capacity, "balance.policy": policy})
+    c.hetero.device_speeds = (1.0,) * 8
+    run = config_lib.validate(c, 8)
+    return pipeline_setup.microbatch_slots(run, pipeline_setup.resolve_plan(run, 8))
+
+  assert slots("even") == 4 and slots("semi") == 7 and slots("even", 5) == 5
+  with pytest.raises(ConfigError, match=r"^config\.pipeline\.microbatch_capacity: 3, but a "
+                     r"pipeline of the plan runs 4"):
+    slots("semi", 3)
+  c = tiny(**{"mesh.pipe": 2, "mesh.data": 2, "pipeline.microbatches": 4,
+              "pipeline.microbatch_capacity": 5, "sync.mode": "ssaw"})
+  run = config_lib.validate(c, 8)
+  with pytest.raises(ConfigError, match=r"^config\.pipeline\.microbatch_capacity: sync mode"):
+    pipeline_setup.microbatch_slots(run, pipeline_setup.resolve_plan(run, 8))
+
+
 def test_device_memory_bounds_the_planner():
   """A bound just below the fastest plan's need makes the planner choose a plan that fits it
   (no faster: another plan may be as fast with less memory); a bound nothing fits is refused.

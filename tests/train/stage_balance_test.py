@@ -4,6 +4,7 @@ With stage 0 slow and one of its devices slower still, emulated or seen by the p
 moves layers to stage 1 and the slower device's units to its neighbour while it trains, without
 compiling, and computes the same losses as the run that keeps the even layout; its checkpoint
 keeps the moved layout, and a run resumed from it continues there with the uninterrupted run's
+losses. Of two data-parallel pipelines, a slow one gets fewer microbatches, with the same
 losses. The config refuses what it cannot re-plan, naming the field.
 """
 
@@ -88,6 +89,27 @@ def test_semi_sees_a_slow_device_through_the_probe(tmp_path, monkeypatch):
   c.hetero.device_speeds = ()
   even = train.train_and_evaluate(c, str(tmp_path / "even"))
   np.testing.assert_allclose(probed["losses"], even["losses"], rtol=2e-5)
+
+
+def test_semi_gives_a_slow_pipeline_fewer_microbatches(tmp_path):
+  # Two pipelines of 2 stages x 2 tensor devices; pipeline 1's four devices run at half speed,
+  # so neither layers nor units can help: the batch is re-split between the pipelines.
+  def two_pipelines(policy):
+    c = config(policy, steps=8)
+    c.mesh.data = 2
+    c.hetero.device_speeds = (1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5)
+    c.checkpoint_every = 0
+    return c
+
+  even = train.train_and_evaluate(two_pipelines("even"), str(tmp_path / "even"))
+  semi = train.train_and_evaluate(two_pipelines("semi"), str(tmp_path / "semi"))
+  split = semi["microbatches"]
+  assert semi["replans"] >= 1 and split[1] < split[0] and sum(split) == 8
+  np.testing.assert_allclose(semi["losses"], even["losses"], rtol=2e-5)
+  np.testing.assert_allclose(semi["val/loss"], even["val/loss"], rtol=2e-5)
+  emulated = [r["pipeline/emulated_s"]
+              for r in metrics.read_jsonl(str(tmp_path / "semi" / "metrics.jsonl"))]
+  assert emulated[-1] < 0.9 * emulated[0]
 
 
 @pytest.mark.parametrize("fields, field", [
