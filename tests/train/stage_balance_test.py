@@ -5,7 +5,7 @@ moves layers to stage 1 and the slower device's units to its neighbour while it 
 compiling, and computes the same losses as the run that keeps the even layout; its checkpoint
 keeps the moved layout, and a run resumed from it continues there with the uninterrupted run's
 losses. Of two data-parallel pipelines, a slow one gets fewer microbatches, with the same
-losses. The config refuses what it cannot re-plan, naming the field.
+losses, and a run resumed after the re-split keeps it. The config refuses what it cannot re-plan, naming the field.
 """
 
 import shutil
@@ -98,7 +98,7 @@ def test_semi_gives_a_slow_pipeline_fewer_microbatches(tmp_path):
     c = config(policy, steps=8)
     c.mesh.data = 2
     c.hetero.device_speeds = (1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5)
-    c.checkpoint_every = 0
+    c.checkpoint_every = 4
     return c
 
   even = train.train_and_evaluate(two_pipelines("even"), str(tmp_path / "even"))
@@ -110,6 +110,13 @@ def test_semi_gives_a_slow_pipeline_fewer_microbatches(tmp_path):
   emulated = [r["pipeline/emulated_s"]
               for r in metrics.read_jsonl(str(tmp_path / "semi" / "metrics.jsonl"))]
   assert emulated[-1] < 0.9 * emulated[0]
+  # Resumed from the checkpoint after the re-split: in the saved split, the same losses.
+  shutil.copytree(tmp_path / "semi", tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "8")
+  resumed = train.train_and_evaluate(two_pipelines("semi"), str(tmp_path / "resumed"))
+  assert resumed["start_step"] == 4 and resumed["replans"] == 0
+  assert resumed["microbatches"] == split
+  np.testing.assert_allclose(resumed["losses"], semi["losses"][4:], rtol=2e-5)
 
 
 @pytest.mark.parametrize("fields, field", [
