@@ -129,18 +129,10 @@ class StateForms:
     axes = self.tree_axes(state)
     groups = migrate.leaf_groups(state, axes)
     mig = self.migrator()
+    nothing, *chunks = migrate.chunk_options(old, new)
     # Nothing moves (K = 0): one layout's owners in both buckets (whichever bucket holds them).
-    at = lambda a, b: layout_lib.Layout(**{k: u.replace(capacity=b.kinds()[k].capacity,
-                                                        widths=b.kinds()[k].widths)
-                                           for k, u in a.kinds().items()})
-    fits = all(max(u.counts) <= new.kinds()[k].capacity for k, u in old.kinds().items())
-    options = [migrate.plan(old, at(old, new), chunk=0) if fits else
-               migrate.plan(at(new, old), new, chunk=0)]
-    sizes = {k: migrate.chunk_sizes(min(u.capacity, new.kinds()[k].capacity))
-             for k, u in old.kinds().items()}
-    for i in range(max(len(v) for v in sizes.values())):
-      options.append(migrate.plan(old, new, chunk={k: v[min(i, len(v) - 1)]
-                                                   for k, v in sizes.items()}))
+    options = [migrate.plan(*migrate.same_owners(old, new), chunk=nothing)]
+    options += [migrate.plan(old, new, chunk=c) for c in chunks]
     for moves in options:
       mig.compile_groups(state, axes, moves, groups, donate=True)
 

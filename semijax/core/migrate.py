@@ -157,6 +157,26 @@ def _sized_chunk(need: int, limit: int) -> int:
   return next(k for k in chunk_sizes(limit) if k >= need) if need else 0
 
 
+def chunk_options(a: layout_lib.Layout, b: layout_lib.Layout) -> list[dict]:
+  """The {kind: K} of every migration from `a`'s bucket to `b`'s that `chunk="sized"` may give
+  (what warm-up compiles): K = 0 for every kind (nothing moves), then each kind's `chunk_sizes`
+  in step (a kind with fewer sizes repeats its largest)."""
+  sizes = {k: chunk_sizes(min(u.capacity, b.kinds()[k].capacity)) for k, u in a.kinds().items()}
+  return [{k: 0 for k in sizes}] + [{k: v[min(i, len(v) - 1)] for k, v in sizes.items()}
+                                    for i in range(max(len(v) for v in sizes.values()))]
+
+
+def same_owners(a: layout_lib.Layout, b: layout_lib.Layout) -> tuple:
+  """(A, B): one set of owners in `a`'s capacities and widths and in `b`'s (a migration between
+  their buckets that moves nothing): `a`'s owners where they fit `b`'s capacities, else `b`'s."""
+  fits = all(max(u.counts) <= b.kinds()[k].capacity for k, u in a.kinds().items())
+  owners = a if fits else b
+  at = lambda c: layout_lib.Layout(**{k: u.replace(capacity=c.kinds()[k].capacity,
+                                                   widths=c.kinds()[k].widths)
+                                      for k, u in owners.kinds().items()})
+  return at(a), at(b)
+
+
 def _kind_moves(a: layout_lib.UnitLayout, b: layout_lib.UnitLayout, chunk) -> KindMoves:
   n, f = a.num_devices, f"migration.chunk.{a.kind}"
   owner_a = np.empty(a.num_units, np.int64)

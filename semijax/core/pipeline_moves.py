@@ -12,8 +12,9 @@ keyed by the leaf's shape and its kind's (capacity from, capacity to, chunk K):
 
 `migrate.plan_stages` and `plan_layers` size K from `migrate.chunk_sizes` of the smaller
 capacity ("sized"), or 0 for a kind where nothing moves (a kind that neither moves nor changes
-capacity is left out, `Moves.changing_kinds`): every such K of every phase is compiled here, on abstract trees of each phase's shapes, with moves that change nothing (the
-programs take the index arrays as arguments, so any move of the same key runs them).
+capacity is left out, `Moves.changing_kinds`): every such K of every phase is compiled here,
+on abstract trees of each phase's shapes, with moves that change nothing (the programs take
+the index arrays as arguments, so any move of the same key runs them).
 """
 
 from __future__ import annotations
@@ -46,27 +47,12 @@ def abstract_in(tree, axes, stages: int, layer_slots: int, units: layout_lib.Lay
   return jax.tree.map(one, tree, axes)
 
 
-def _same_owners(a: layout_lib.Layout, b: layout_lib.Layout) -> tuple:
-  """(A, B): one set of owners in `a`'s and `b`'s capacities and widths (a move of nothing
-  between their buckets); the owners of whichever fits both."""
-  fits = lambda x, y: all(max(u.counts) <= y.kinds()[k].capacity for k, u in x.kinds().items())
-  owners = a if fits(a, b) else b
-  at = lambda c: layout_lib.Layout(**{k: u.replace(capacity=c.kinds()[k].capacity,
-                                                   widths=c.kinds()[k].widths)
-                                      for k, u in owners.kinds().items()})
-  return at(a), at(b)
-
-
 def _unit_moves(src: layout_lib.Layout, dst: layout_lib.Layout, stages: int) -> list:
-  """The stage moves of every chunk K a units phase from `src`'s bucket to `dst`'s may take:
-  K = 0 for every kind, then each kind's sized chunks in step."""
-  a, b = _same_owners(src, dst)
-  sizes = {k: migrate.chunk_sizes(min(u.capacity, b.kinds()[k].capacity))
-           for k, u in a.kinds().items()}
-  chunks = [{k: 0 for k in sizes}]
-  chunks += [{k: v[min(i, len(v) - 1)] for k, v in sizes.items()}
-             for i in range(max(len(v) for v in sizes.values()))]
-  return [migrate.plan_stages((a,) * stages, (b,) * stages, chunk=c) for c in chunks]
+  """The stage moves of every chunk K a units phase from `src`'s bucket to `dst`'s may take
+  (`migrate.chunk_options`), each moving nothing (`migrate.same_owners`)."""
+  a, b = migrate.same_owners(src, dst)
+  return [migrate.plan_stages((a,) * stages, (b,) * stages, chunk=c)
+          for c in migrate.chunk_options(a, b)]
 
 
 def compile_moves(states, state, layout: PipeLayout) -> int:

@@ -15,7 +15,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from semijax.core import layout as layout_lib
 from semijax.core import mesh as mesh_lib
 from semijax.core import migrate
 from semijax.core import pipeline_model
@@ -25,7 +24,6 @@ from semijax.core.pipeline_layout import PipeLayout
 from semijax.errors import LayoutError
 
 PIPE, TENSOR = mesh_lib.PIPE, mesh_lib.TENSOR
-LAYERS = layout_lib.LAYERS
 SHARED, STACK = pipeline_model.SHARED, pipeline_model.STACK
 
 

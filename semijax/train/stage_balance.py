@@ -4,10 +4,9 @@ speeds are sampled, `balance.replan` decides whether moving layers between stage
 inside them, or re-splitting the batch between data-parallel pipelines, pays, and the state
 moves (`core.pipeline.PipelineEngine.move`: weights and Adam moments together, between the
 compiled slots and widths; a new split moves nothing, the executor arranges the next batches
-into it). Warm-up compiles every migration
-program such a move may run (`core.pipeline_moves`) and times a move of each kind there and
-back (`replan.trials`), so a re-plan compiles nothing and its first move is priced at what it
-takes.
+into it). Warm-up compiles every migration program such a move may run (`core.pipeline_moves`)
+and times a move of each kind there and back (`replan.trials`), so a re-plan compiles nothing
+and its first move is priced at what it takes.
 
 Where the speeds come from:
   * emulated (`hetero.device_speeds`, shifted by one device id every `hetero.rotate_every`
